@@ -1,0 +1,70 @@
+"""Command line: `pask-jax fetch-model`, `pask-jax demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from pask_jax.models.fetch import MODELS, FetchError, fetch_model
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+
+
+def cmd_fetch_model(args: argparse.Namespace) -> None:
+    path = fetch_model(args.name)
+    print(f"{args.name}: {path}  ({MODELS[args.name].license})")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """Load the model, greedy-generate a tool call for the first BFCL prompts, print them."""
+    from pask_jax import Engine, SamplingConfig, load_model, load_tokenizer
+    from pask_jax.bfcl import load_category
+    from pask_jax.models.chat_template import bfcl_prompt
+
+    t0 = time.perf_counter()
+    model = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    print(f"loaded {model.config.name} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    items = load_category(args.category)[: args.n]
+    prompts = [tokenizer.encode(bfcl_prompt(item)) for item in items]
+    engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids)
+    t0 = time.perf_counter()
+    generations = engine.generate(prompts, SamplingConfig(max_new_tokens=args.max_new_tokens))
+    wall = time.perf_counter() - t0
+    for item, gen in zip(items, generations, strict=True):
+        print(f"--- {item['id']}: {item['question'][0][-1]['content']}")
+        print(tokenizer.decode(gen.tokens))
+    tokens = sum(g.stats.generated_tokens for g in generations)
+    summary = {
+        "prompts": len(prompts),
+        "prompt_tokens": [g.stats.prompt_tokens for g in generations],
+        "generated_tokens": tokens,
+        "ttft_s": round(generations[0].stats.ttft_s, 2),
+        "wall_s": round(wall, 2),
+    }
+    print(json.dumps(summary), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pask-jax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("fetch-model", help="download, verify and assemble a registered checkpoint")
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(MODELS))
+    p.set_defaults(func=cmd_fetch_model)
+    p = sub.add_parser("demo", help="greedy tool calls for a few BFCL prompts")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registered name, .gguf file or HF checkpoint directory")
+    p.add_argument("--category", default="simple_python")
+    p.add_argument("-n", type=int, default=3, help="number of prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.set_defaults(func=cmd_demo)
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (FetchError, ValueError, ModuleNotFoundError) as e:
+        parser.exit(2, f"pask-jax {args.command}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()
