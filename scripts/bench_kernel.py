@@ -3,11 +3,14 @@
 For a Qwen2.5-Coder-0.5B-like decode shape (B=8 sequences, K=2 KV heads, G=7 query heads per KV head, H=64) and full
 length T, times one decode step of
 
-  (a) ``dense``:   softmax attention of the new token over all T cached positions (an uncompressed cache),
-  (b) ``ref``:     the XLA reference ``ref_gather_attention`` over a slot pool sized to the kept fraction (capacity
-                   C = kept slots, rounded up to the block size), gathering through a permuted slot table,
-  (c) ``kernel``:  the Pallas kernel in *interpret* mode (CPU emulation of the TPU kernel; only for small T, and its
-                   times say nothing about TPU speed -- they are reported for completeness).
+  (a) ``dense``:     softmax attention of the new token over all T cached positions (an uncompressed cache),
+  (b) ``ref``:       the XLA reference ``ref_gather_attention`` over a slot pool sized to the kept fraction
+                     (capacity C = kept slots, rounded up to the block size), through a random permuted slot table;
+                     ``ref_ordered``: the same through the identity table (the gather streams),
+  (c) ``compacted``: dense attention over the capacity-sized pool itself, no gather -- the floor a cache stored
+                     compacted in position order could reach (what the kept slots alone cost),
+  (d) ``kernel``:    the Pallas kernel in *interpret* mode (CPU emulation of the TPU kernel; only for small T, and its
+                     times say nothing about TPU speed -- they are reported for completeness).
 
 Each is jitted, warmed up, and timed as the median of N runs. Writes JSON with machine info and ratios vs dense.
 
@@ -95,12 +98,13 @@ def main() -> None:
                     "dense": partial(dense_attention, q, k_full, v_full),
                     "ref": partial(ref, q, k_slots, v_slots, table, lengths),
                     "ref_ordered": partial(ref, q, k_slots, v_slots, ordered, lengths),
+                    "compacted": partial(dense_attention, q, k_slots, v_slots),
                 },
                 reps=reps,
             )
             row = {"T": t, "kept_fraction": frac, "kept_slots": kept, "capacity": cap}
             row |= {f"{name}_ms": round(v, 4) for name, v in ms.items()}
-            row |= {f"{name}_over_dense": round(ms[name] / ms["dense"], 3) for name in ("ref", "ref_ordered")}
+            row |= {f"{name}_over_dense": round(ms[name] / ms["dense"], 3) for name in ms if name != "dense"}
             if t <= args.kernel_max_t:
                 run_kernel = partial(kernel, q, k_slots, v_slots, table, lengths)
                 kms = time_ms({"k": run_kernel}, reps=kernel_reps, warmup=1)
@@ -117,6 +121,7 @@ def main() -> None:
             "dense: attention over all T positions; ref: XLA gather + masked softmax over a slot pool of capacity "
             "ceil(kept / block) * block, through a random permuted slot table; ref_ordered: same with the identity "
             "table (kept entries stored in position order, so the gather streams)",
+            "compacted: dense attention over the capacity-sized pool, no gather (the floor for the kept slots)",
             "dense is re-timed beside each fraction (interleaved), so dense_ms varies a little within one T",
             f"kernel_interpret: the Pallas TPU kernel run with interpret=True on CPU, only for T <= "
             f"{args.kernel_max_t}; interpret mode emulates the grid and every DMA serially, so its time measures the "

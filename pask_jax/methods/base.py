@@ -8,6 +8,8 @@ A method answers three questions, all inside jitted code with static shapes:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -36,3 +38,13 @@ def keep_all_valid(k: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array
     keep = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, kv_heads, p))
     count = jnp.broadcast_to(valid.sum(-1, dtype=jnp.int32)[:, None], (b, kv_heads))
     return keep, count
+
+
+SLACK = 1  # the token being written: every method's running cap is kept(t) <= b * full(t) + SLACK per (layer, head)
+
+
+def budget_capacity(prompt_len: int, max_new_tokens: int, budget: float) -> int:
+    """Slots per (layer, sequence, KV head) that a uniform share of budget b needs at the last step."""
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget={budget} must be in (0, 1]")
+    return math.ceil(round(budget * (prompt_len + max_new_tokens), 6)) + SLACK
