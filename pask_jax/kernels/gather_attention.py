@@ -25,9 +25,10 @@ Two implementations with the same contract:
     tail of the last block masked; a (sequence, head) with ``lengths == 0`` yields zeros, never NaN.
   - f32 or bf16 inputs; products accumulate in f32, output in ``q.dtype``.
 
-  TPU caveats (unverified here, CPU only): the flattened table lives in SMEM, so ``B*K*S`` int32 must fit there (a
-  1 MiB SMEM budget allows 256k entries); single-row DMAs into a bf16 VMEM buffer hit packed (16, 128) tiles; there is
-  no cross-block double buffering yet (JAX's paged-attention kernel prefetches the next block's pages).
+  TPU caveats (unverified here, CPU only): the flattened table lives in SMEM, so ``B*K*S`` int32 must fit there (SMEM
+  is small, on the order of 1 MiB or less; long tables would move to per-block SMEM BlockSpecs); single-row DMAs into
+  a bf16 VMEM buffer hit packed (16, 128) tiles; there is no cross-block double buffering yet (JAX's paged-attention
+  kernel prefetches the next block's pages).
 
 ``gather_attention(..., use_kernel=...)`` is the single switch the engine uses. On CPU run the kernel with
 ``interpret=True`` (HLO interpreter) or ``interpret=pltpu.InterpretParams()`` (TPU interpreter that simulates memory
