@@ -1,8 +1,24 @@
-"""BFCL v4 data, read from the installed `bfcl-eval` package (installed with --no-deps: we need its data and checker).
+"""BFCL v4 data, gold calls, output decoding and scoring, from the installed `bfcl-eval` package (installed with
+--no-deps: we need its data and checker).
 
-The package's data files are JSON lines: `bfcl_eval/data/BFCL_v4_<category>.json` (questions and functions) and
+Data. The package's data files are JSON lines: `bfcl_eval/data/BFCL_v4_<category>.json` (questions and functions) and
 `bfcl_eval/data/possible_answer/BFCL_v4_<category>.json` (ground truth). We locate them without importing
 `bfcl_eval` (its `__init__` is empty, but its submodules import dozens of API clients).
+
+Calibration / evaluation split (fixed). An item is a *calibration* item iff `int(sha256(id)[:8], 16) % 5 == 0`
+(hex digest of the UTF-8 item id, about 20% of each category); every other item is an *evaluation* item. Both keep
+the file's order. Calibration items (for fitting or tuning compression methods) are never scored;
+`evaluation_sample(category, offset, limit)` is evaluation items offset..offset+limit-1 of that order, the default
+being the first 25 (all of a category when it has fewer).
+
+Scoring. Generated text is decoded by `parse_tool_calls` to BFCL's decoded-AST format `[{name: {arg: value}}]` and
+judged by bfcl-eval's own `ast_checker`, called as BFCL's AST runner calls it (`score_item`, `score_text`).
+
+Aggregation (`summarize`), following `bfcl_eval/eval_checker/eval_runner_helper.py`: "non_live" is the unweighted
+mean of the 4 non-live category accuracies (BFCL's `calculate_unweighted_accuracy`; BFCL's "simple" also averages
+Java and JavaScript, which we do not run), "live" is the mean of the 4 live categories weighted by item count
+(`calculate_weighted_accuracy`), and "overall" is the unweighted mean of the 8 category accuracies: BFCL's own
+overall also mixes in irrelevance, multi-turn and agentic scores, so it has no counterpart here.
 """
 
 from __future__ import annotations
@@ -26,7 +42,14 @@ CATEGORIES = (
     "live_parallel",
     "live_parallel_multiple",
 )
+NON_LIVE = CATEGORIES[:4]
+LIVE = CATEGORIES[4:]
 INSTALL_HINT = "pip install --no-deps bfcl-eval==2026.3.23"
+# Golds that no call can satisfy under bfcl-eval 2026.3.23's checker (an empty allowed-value list for a required
+# argument, or a gold argument the function does not declare): every model scores 0 on them.
+UNSATISFIABLE = frozenset(
+    {"live_simple_106-63-0", "live_simple_112-68-0", "live_multiple_862-181-3", "live_multiple_964-207-0"}
+)
 
 
 def data_dir() -> Path:
@@ -41,23 +64,46 @@ def _read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_category(category: str) -> list[dict]:
-    """All items of one category, in the file's order: {"id", "question": [[messages]], "function": [...]}."""
+def _check_category(category: str) -> None:
     if category not in CATEGORIES:
         raise ValueError(f"unknown BFCL category {category!r}; known: {', '.join(CATEGORIES)}")
+
+
+def load_category(category: str) -> list[dict]:
+    """All items of one category, in the file's order: {"id", "question": [[messages]], "function": [...]}."""
+    _check_category(category)
     return _read_jsonl(data_dir() / f"BFCL_v4_{category}.json")
 
 
 def load_answers(category: str) -> dict[str, dict]:
     """Ground truth of one category by item id."""
-    if category not in CATEGORIES:
-        raise ValueError(f"unknown BFCL category {category!r}; known: {', '.join(CATEGORIES)}")
+    _check_category(category)
     return {a["id"]: a for a in _read_jsonl(data_dir() / "possible_answer" / f"BFCL_v4_{category}.json")}
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Canonical gold calls
-# ---------------------------------------------------------------------------------------------------------------------
+# ---- calibration / evaluation split ---------------------------------------------------------------------------------
+
+
+def is_calibration(item_id: str) -> bool:
+    """The fixed split: calibration iff the first 8 hex digits of sha256(id) are 0 mod 5 (about 20%)."""
+    return int(hashlib.sha256(item_id.encode("utf-8")).hexdigest()[:8], 16) % 5 == 0
+
+
+def split_items(category: str) -> tuple[list[dict], list[dict]]:
+    """(calibration items, evaluation items) of one category, each in the file's order."""
+    items = load_category(category)
+    return [it for it in items if is_calibration(it["id"])], [it for it in items if not is_calibration(it["id"])]
+
+
+def evaluation_sample(category: str, offset: int = 0, limit: int | None = 25) -> list[dict]:
+    """Evaluation items offset..offset+limit-1 of one category (fewer at its end; limit None: all from offset)."""
+    if offset < 0 or (limit is not None and limit < 0):
+        raise ValueError(f"offset and limit must be >= 0, got offset={offset}, limit={limit}")
+    evaluation = split_items(category)[1]
+    return evaluation[offset:] if limit is None else evaluation[offset : offset + limit]
+
+
+# ---- canonical gold calls -------------------------------------------------------------------------------------------
 
 
 def _is_optional_marker(allowed: list) -> bool:
@@ -65,11 +111,8 @@ def _is_optional_marker(allowed: list) -> bool:
 
 
 def _canonical_value(value):
-    """One allowed value rendered as the model would emit it.
-
-    Dict-typed arguments are ground-truthed as a dict of allowed-value lists ({key: [values...]}, "" = key optional),
-    and lists of such dicts for array-of-dict arguments; render those recursively, anything else is a literal.
-    """
+    """One allowed value as the model would emit it. Dict-typed arguments are ground-truthed as {key: [allowed...]}
+    ("" = key optional), array-of-dict ones as lists of those: render them recursively; anything else is literal."""
     if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()):
         return {k: _canonical_value(v[0]) for k, v in value.items() if not _is_optional_marker(v)}
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
@@ -77,22 +120,87 @@ def _canonical_value(value):
     return value
 
 
-def canonical_calls(answer_entry: dict) -> list[tuple[str, dict]]:
+def canonical_calls(answer_entry: dict, functions: list[dict] | None = None) -> list[tuple[str, dict]]:
     """The ground truth of one item as the calls a model would emit: [(function name, arguments)], in gold order.
 
-    Each argument takes its first allowed value; an argument whose first allowed value is "" (BFCL's marker for
-    "may be omitted") is omitted.
+    Every argument takes its first allowed value; "" among the allowed values is BFCL's marker for "may be omitted".
+    Without `functions`, an argument whose first allowed value is "" is omitted. With the item's `functions` (pass
+    them: a few golds need it), the rendering follows the schema as the checker does: an argument the function does
+    not declare is omitted (the checker accepts that only when "" is allowed), a required argument takes its first
+    non-"" value (or "" itself when that is all the gold allows), an optional one is omitted when "" comes first.
+    The renderings of the golds in `UNSATISFIABLE` still fail the checker.
     """
+    schemas = {f["name"]: f["parameters"] for f in functions or ()}
     calls = []
     for gold in answer_entry["ground_truth"]:
         ((name, args),) = gold.items()
-        calls.append((name, {k: _canonical_value(v[0]) for k, v in args.items() if not _is_optional_marker(v)}))
+        schema = schemas.get(name)
+        out = {}
+        for key, allowed in args.items():
+            if schema is None:
+                if not _is_optional_marker(allowed):
+                    out[key] = _canonical_value(allowed[0])
+            elif key in schema.get("properties", {}) and allowed:
+                values = [v for v in allowed if v != ""]
+                if key in schema.get("required", ()):
+                    out[key] = _canonical_value(values[0]) if values else ""
+                elif allowed[0] != "":
+                    out[key] = _canonical_value(allowed[0])
+        calls.append((name, out))
     return calls
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Checker: bfcl-eval's own ast_checker
-# ---------------------------------------------------------------------------------------------------------------------
+# ---- decoding generated text ----------------------------------------------------------------------------------------
+
+
+class ParseError(ValueError):
+    """Generated text that does not decode to tool calls (scored as BFCL's "ast_decoder:decoder_failed")."""
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_JSON_FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def _reject_constant(name: str):
+    raise ParseError(f"not strict JSON: {name}")
+
+
+def _call(obj) -> dict:
+    if not (isinstance(obj, dict) and set(obj) == {"name", "arguments"} and isinstance(obj["name"], str)):
+        raise ParseError(f'a call must be {{"name": str, "arguments": {{...}}}}, got {obj!r}'[:300])
+    if not isinstance(obj["arguments"], dict):
+        raise ParseError(f"arguments of {obj['name']!r} are not a JSON object")
+    return {obj["name"]: obj["arguments"]}
+
+
+def parse_tool_calls(text: str) -> list[dict]:
+    """Decode generated text to BFCL's decoded-AST format [{name: {arg: value}}], in order.
+
+    Accepts `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (one or more; whitespace around the
+    JSON allowed; text outside the blocks ignored, as BFCL's Qwen FC decoder does) or, when there are none, ```json
+    fences (also bare ```) each holding one call object or a list of them. Strict JSON (no NaN / Infinity). Raises
+    ParseError when no call is found or any block fails to decode (BFCL's decoder silently drops such a block).
+    """
+    blocks = _TOOL_CALL.findall(text)
+    fenced = not blocks
+    if fenced:
+        blocks = _JSON_FENCE.findall(text)
+    if not blocks:
+        raise ParseError("no <tool_call> block or ```json fence in the output")
+    calls = []
+    for block in blocks:
+        try:
+            obj = json.loads(block, parse_constant=_reject_constant)
+        except json.JSONDecodeError as e:
+            raise ParseError(f"invalid JSON in a tool call: {e}") from None
+        objs = obj if fenced and isinstance(obj, list) else [obj]
+        if not objs:
+            raise ParseError("empty list of calls in a ```json fence")
+        calls.extend(_call(o) for o in objs)
+    return calls
+
+
+# ---- checker: bfcl-eval's own ast_checker ---------------------------------------------------------------------------
 
 CHECKER_MODEL_NAME = "pask-jax"  # the checker only uses it to look up `underscore_to_dot` (False, as for Qwen FC)
 
@@ -108,7 +216,7 @@ class _StandInConfigMapping(dict):
 def _checker():
     data_dir()  # raises the install hint when bfcl-eval is missing
     name = "bfcl_eval.constants.model_config"
-    if name not in sys.modules:  # the real module imports every API client; ast_checker only reads this mapping
+    if name not in sys.modules:  # the real module imports every API client; ast_checker reads only this mapping
         stand_in = types.ModuleType(name)
         stand_in.MODEL_CONFIG_MAPPING = _StandInConfigMapping()
         sys.modules[name] = stand_in
@@ -118,28 +226,10 @@ def _checker():
     return ast_checker, Language.PYTHON
 
 
-def _category_of(item_id: str) -> str:
+def category_of(item_id: str) -> str:
     category = item_id.rsplit("_", 1)[0]
-    if category not in CATEGORIES:
-        raise ValueError(f"item {item_id!r} is not in a known BFCL category; known: {', '.join(CATEGORIES)}")
+    _check_category(category)
     return category
-
-
-def score_item(item: dict, answer_entry: dict, calls: list[dict]) -> tuple[bool, str | None, list]:
-    """Score decoded calls ([{name: {arg: value}}], BFCL's decoded-AST format) as BFCL's AST runner does.
-
-    Returns (valid, error_type, error messages). The checker receives the item's functions as BFCL's runner passes
-    them (unprocessed: `load_dataset_entry(..., include_language_specific_hint=False)`), language Python, and the
-    category name as test_category.
-    """
-    if item["id"] != answer_entry["id"]:
-        raise ValueError(f"item {item['id']!r} scored against the answer of {answer_entry['id']!r}")
-    if not is_decoded_format(calls):
-        return False, "ast_decoder:decoder_wrong_output_format", ["not a list of {function: {argument: value}}"]
-    ast_checker, python = _checker()
-    category = _category_of(item["id"])
-    result = ast_checker(item["function"], calls, answer_entry["ground_truth"], python, category, CHECKER_MODEL_NAME)
-    return bool(result["valid"]), result.get("error_type"), result.get("error", [])
 
 
 def is_decoded_format(calls) -> bool:
@@ -147,3 +237,60 @@ def is_decoded_format(calls) -> bool:
     return isinstance(calls, list) and all(
         isinstance(c, dict) and len(c) == 1 and isinstance(next(iter(c.values())), dict) for c in calls
     )
+
+
+def _refuse_calibration(item: dict, allow_calibration: bool) -> None:
+    if is_calibration(item["id"]) and not allow_calibration:
+        raise ValueError(f"{item['id']!r} is a calibration item; calibration items are never scored")
+
+
+def score_item(item: dict, answer_entry: dict, calls: list[dict], *, allow_calibration: bool = False):
+    """Judge decoded calls [{name: {arg: value}}] as BFCL's AST runner does: (valid, error_type | None, errors).
+
+    The checker gets the item's functions unprocessed (BFCL's runner loads them with
+    `include_language_specific_hint=False`), language Python, and the category name as test_category. Scoring a
+    calibration item is refused unless `allow_calibration` (for checks of the data and checker themselves).
+    """
+    _refuse_calibration(item, allow_calibration)
+    if item["id"] != answer_entry["id"]:
+        raise ValueError(f"item {item['id']!r} scored against the answer of {answer_entry['id']!r}")
+    if not is_decoded_format(calls):
+        return False, "ast_decoder:decoder_wrong_output_format", ["not a list of {function: {argument: value}}"]
+    ast_checker, python = _checker()
+    category = category_of(item["id"])
+    result = ast_checker(item["function"], calls, answer_entry["ground_truth"], python, category, CHECKER_MODEL_NAME)
+    if result["valid"]:
+        return True, None, []
+    return False, result.get("error_type"), result.get("error", [])
+
+
+def score_text(item: dict, answer_entry: dict, text: str, *, allow_calibration: bool = False):
+    """`parse_tool_calls` then `score_item`; undecodable text scores "ast_decoder:decoder_failed", as in BFCL."""
+    _refuse_calibration(item, allow_calibration)
+    try:
+        calls = parse_tool_calls(text)
+    except ParseError as e:
+        return False, "ast_decoder:decoder_failed", [str(e)]
+    return score_item(item, answer_entry, calls, allow_calibration=allow_calibration)
+
+
+# ---- aggregation ----------------------------------------------------------------------------------------------------
+
+
+def summarize(per_category: dict[str, tuple[int, int]]) -> dict[str, float | None]:
+    """{"non_live", "live", "overall"} from {category: (correct, n)} (see the module docstring for the weighting).
+
+    A mean is None unless every category it covers is present with n > 0 (the live mean needs them present, and a
+    positive total).
+    """
+    for category in per_category:
+        _check_category(category)
+    acc = {c: k / n for c, (k, n) in per_category.items() if n > 0}
+
+    def unweighted(cats):
+        return sum(acc[c] for c in cats) / len(cats) if all(c in acc for c in cats) else None
+
+    live = None
+    if all(c in per_category for c in LIVE) and sum(per_category[c][1] for c in LIVE) > 0:
+        live = sum(per_category[c][0] for c in LIVE) / sum(per_category[c][1] for c in LIVE)
+    return {"non_live": unweighted(NON_LIVE), "live": live, "overall": unweighted(CATEGORIES)}
