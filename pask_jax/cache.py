@@ -11,6 +11,8 @@ never depend on data. Which slots are live is ragged per (layer, sequence, KV he
 - `pos` holds each slot's original token position (-1 when free), so the XLA path can attend over
   the whole pool with a mask instead of gathering, and methods can reason about recency.
 - `role` holds each entry's structural role id (prompt or generated), for structure-aware methods.
+- `score` holds the method's keep-priority of each entry (attention mass, recency, policy priority...);
+  the engine evicts the live entry the method ranks lowest.
 
 Every array carries a leading layer axis Lg (the group's layers); `layer` arguments index it.
 """
@@ -35,15 +37,23 @@ def layer_groups(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...
     return tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def pool_attention_probs(
+    q: jax.Array,  # f[B, K, G, H]
+    k: jax.Array,  # f[B, K, C, H]
+    live: jax.Array,  # bool[B, K, C]
+) -> jax.Array:  # f32[B, K, G, C], zeros on free slots
+    logits = jnp.einsum("BKGH,BKCH->BKGC", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    mask = live[:, :, None]
+    return jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1), 0.0)
+
+
 def pool_attention(
     q: jax.Array,  # f[B, K, G, H]
     k: jax.Array,  # f[B, K, C, H]
     v: jax.Array,  # f[B, K, C, H]
     live: jax.Array,  # bool[B, K, C]
 ) -> jax.Array:  # f[B, K, G, H]; zeros where no slot is live
-    logits = jnp.einsum("BKGH,BKCH->BKGC", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
-    mask = live[:, :, None]
-    probs = jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1), 0.0)
+    probs = pool_attention_probs(q, k, live)
     return jnp.einsum("BKGC,BKCH->BKGH", probs.astype(v.dtype), v).astype(q.dtype)
 
 
@@ -56,6 +66,7 @@ class GroupCache:
     v: jax.Array  # f[Lg, B, K, C, H]
     pos: jax.Array  # i32[Lg, B, K, C]   original position of the slot's token, -1 if free
     role: jax.Array  # i32[Lg, B, K, C]  structural role id of the slot's token
+    score: jax.Array  # f32[Lg, B, K, C] the method's keep-priority of the slot's entry
     table: jax.Array  # i32[Lg, B, K, C] slot permutation: first `length` live, rest free
     length: jax.Array  # i32[Lg, B, K]    live slots
     overflow: jax.Array  # bool[]          a write found no free slot (the engine raises)
@@ -72,6 +83,7 @@ class GroupCache:
             v=jnp.zeros((*shape, head_dim), dtype),
             pos=jnp.full(shape, -1, jnp.int32),
             role=jnp.zeros(shape, jnp.int32),
+            score=jnp.zeros(shape, jnp.float32),
             table=jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), shape),
             length=jnp.zeros(shape[:-1], jnp.int32),
             overflow=jnp.zeros((), bool),
@@ -86,6 +98,7 @@ class GroupCache:
         roles: jax.Array,  # i32[B, P]
         keep: jax.Array,  # i32[B, K, n] prompt indices to keep, n <= C
         count: jax.Array,  # i32[B, K] how many of `keep` are real (the rest is padding)
+        scores: jax.Array | None = None,  # f32[B, K, P] the method's prefill scores
     ) -> GroupCache:
         """Load the kept prompt entries of one layer into slots 0..count-1 (the cache must be empty)."""
         n = keep.shape[-1]
@@ -96,12 +109,14 @@ class GroupCache:
         live = jnp.arange(n) < count[..., None]  # [B, K, n]
         kept_pos = jnp.where(live, jnp.take_along_axis(positions[:, None], keep, axis=2), -1)
         kept_role = jnp.take_along_axis(roles[:, None], keep, axis=2)
+        kept_score = jnp.zeros(keep.shape, jnp.float32) if scores is None else jnp.take_along_axis(scores, keep, axis=2)
         return dataclasses.replace(
             self,
             k=self.k.at[layer, :, :, :n].set(kept_k.astype(self.k.dtype)),
             v=self.v.at[layer, :, :, :n].set(kept_v.astype(self.v.dtype)),
             pos=self.pos.at[layer, :, :, :n].set(kept_pos),
             role=self.role.at[layer, :, :, :n].set(kept_role),
+            score=self.score.at[layer, :, :, :n].set(kept_score.astype(jnp.float32)),
             length=self.length.at[layer].set(count),
         )
 
@@ -118,6 +133,7 @@ class GroupCache:
         position: jax.Array,  # i32[B]
         role: jax.Array,  # i32[B]
         enter: jax.Array,  # bool[B, K] whether the token enters this (sequence, head)
+        score: jax.Array | None = None,  # f32[B, K] its keep-priority
     ) -> GroupCache:
         """Append one token to the free slot `table[length]` of every (sequence, head) it enters."""
         length = self.length[layer]  # [B, K]
@@ -132,6 +148,7 @@ class GroupCache:
             v=self.v.at[layer, bi, hi, slot].set(v.astype(self.v.dtype), mode="drop"),
             pos=self.pos.at[layer, bi, hi, slot].set(position[:, None], mode="drop"),
             role=self.role.at[layer, bi, hi, slot].set(role[:, None], mode="drop"),
+            score=self.score if score is None else self.score.at[layer, bi, hi, slot].set(score, mode="drop"),
             length=self.length.at[layer].add(write.astype(jnp.int32)),
             overflow=self.overflow | jnp.any(enter & full),
         )
@@ -155,7 +172,10 @@ class GroupCache:
         )
 
     def attend(self, layer: int, q: jax.Array, use_kernel: bool = False) -> jax.Array:
-        """Decode attention of q (f[B, N, H], RoPE applied) to the live slots of one layer -> f[B, N, H]."""
+        """Decode attention of q (f[B, N, H], RoPE applied) to the live slots of one layer -> f[B, N, H].
+
+        For methods that need the attention weights (H2O), use `pool_attention_probs` on the XLA path.
+        """
         b, n, h = q.shape
         kv_heads = self.k.shape[2]
         qg = q.reshape(b, kv_heads, n // kv_heads, h)  # [B, K, G, H]
@@ -172,6 +192,14 @@ class GroupCache:
         else:  # XLA: attend over the whole pool with the live mask, no gather
             out = pool_attention(qg, self.k[layer], self.v[layer], self.pos[layer] >= 0)
         return out.reshape(b, n, h)
+
+    def attend_probs(self, layer: int, q: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """XLA-path decode attention that also returns the weights: f[B, N, H], f32[B, K, G, C]."""
+        b, n, h = q.shape
+        kv_heads = self.k.shape[2]
+        probs = pool_attention_probs(q.reshape(b, kv_heads, n // kv_heads, h), self.k[layer], self.pos[layer] >= 0)
+        out = jnp.einsum("BKGC,BKCH->BKGH", probs.astype(self.v.dtype), self.v[layer]).astype(q.dtype)
+        return out.reshape(b, n, h), probs
 
     def nbytes(self) -> int:
         return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))

@@ -1,4 +1,4 @@
-"""Command line: `pask-jax fetch-model`, `pask-jax demo`."""
+"""Command line: `pask-jax fetch-model`, `pask-jax demo`, `pask-jax bfcl`."""
 
 from __future__ import annotations
 
@@ -47,6 +47,36 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(json.dumps(summary), file=sys.stderr)
 
 
+def cmd_bfcl(args: argparse.Namespace) -> None:
+    """Grammar-constrained BFCL evaluation; prints a table and writes the full JSON."""
+    from pathlib import Path
+
+    from pask_jax import load_model, load_tokenizer
+    from pask_jax.bfcl import CATEGORIES
+    from pask_jax.evaluate import EvalConfig, format_table, run_bfcl
+
+    categories = CATEGORIES if args.categories == "all" else tuple(args.categories.split(","))
+    cfg = EvalConfig(
+        methods=tuple(args.methods.split(",")),
+        budgets=tuple(float(b) for b in str(args.budget).split(",")),
+        categories=categories,
+        offset=args.offset,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        framing=args.framing,
+    )
+    model = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    result = run_bfcl(model, tokenizer, args.model, cfg)
+    print(format_table(result, categories))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pask-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +89,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-n", type=int, default=3, help="number of prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("bfcl", help="score methods on BFCL (evaluation split) with grammar-constrained decoding")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--methods", default="full", help="comma-separated: full,...")
+    p.add_argument("--budget", default="1.0", help="total KV budget(s) in (0, 1], comma-separated")
+    p.add_argument("--categories", default="all", help="'all' or comma-separated BFCL categories")
+    p.add_argument("--offset", type=int, default=0, help="first evaluation item of each category")
+    p.add_argument("--limit", type=int, default=25, help="evaluation items per category")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--framing", default="tool_call", choices=["tool_call", "json_fence"])
+    p.add_argument("--out", help="write the full results JSON here")
+    p.set_defaults(func=cmd_bfcl)
     args = parser.parse_args(argv)
     try:
         args.func(args)

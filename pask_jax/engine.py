@@ -22,7 +22,8 @@ from flax import nnx
 
 from pask_jax.cache import GroupCache, layer_groups
 from pask_jax.methods import FullKV, KVMethod
-from pask_jax.models.qwen3 import Qwen3, attention
+from pask_jax.methods.base import PrefillContext, budget_capacity
+from pask_jax.models.qwen3 import ModelConfig, Qwen3, attention, attention_probs
 
 DEFAULT_LENGTH_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 NEW_TOKEN_BUCKET = 64  # decode capacity grows in steps of this, so nearby max_new_tokens share a compile
@@ -112,6 +113,143 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
     raise ValueError(f"{what} of {n} tokens exceeds the largest length bucket {buckets[-1]}")
 
 
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything static about an engine's jitted prefill and decode step.
+
+    Hashable, so engines with the same model structure, method and budget share compiled functions.
+    """
+
+    graphdef: nnx.GraphDef
+    cfg: ModelConfig
+    method: KVMethod
+    groups: tuple[tuple[int, int], ...]
+    fractions: tuple[float, ...]  # per layer: the share of the full length it may keep
+    use_kernel: bool
+    dtype: jnp.dtype
+
+    def _layer_slot(self, layer: int) -> tuple[int, int]:
+        for g, (start, stop) in enumerate(self.groups):
+            if start <= layer < stop:
+                return g, layer - start
+        raise IndexError(layer)
+
+    def capacities(self, prompt_bucket: int, new_tokens: int) -> tuple[int, ...]:
+        """Slots per (layer, sequence, KV head) of each layer group: the largest need among its layers."""
+        return tuple(
+            max(budget_capacity(prompt_bucket, new_tokens, float(f)) for f in self.fractions[start:stop])
+            for start, stop in self.groups
+        )
+
+    def prefill(self, params, tokens, lengths, roles, capacities: tuple[int, ...]):
+        """tokens i32[B, T], lengths i32[B], roles i32[B, T] -> last-token logits f32[B, V], caches."""
+        model = nnx.merge(self.graphdef, params)
+        cfg = self.cfg
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        valid = positions < lengths[:, None]
+        mask = (positions[:, :, None] >= positions[:, None, :]) & valid[:, None, :]
+        kv, observed = [], []
+
+        def extra_query_scores(extra_tokens, extra_positions):
+            """Attention mass that extra tokens, run after the prompt, give each prompt key (per layer)."""
+            n = extra_tokens.shape[1]
+            extra_mask = jnp.concatenate(
+                [
+                    jnp.broadcast_to(valid[:, None], (b, n, t)),
+                    jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n)),
+                ],
+                axis=-1,
+            )
+            scores = []
+
+            def attend_extra(layer, q, k, v):
+                keys = jnp.concatenate([kv[layer][0], k], axis=1)
+                values = jnp.concatenate([kv[layer][1], v], axis=1)
+                probs = attention_probs(q, keys, extra_mask)  # [B, K, G, N, T + N]
+                scores.append(probs[..., :t].sum(axis=(2, 3)))
+                out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(values.dtype), values)
+                return out.reshape(q.shape)
+
+            model.forward(extra_tokens, extra_positions, attend_extra)
+            return scores
+
+        ctx = PrefillContext(tokens, positions, valid, lengths, roles, cfg.num_kv_heads, extra_query_scores)
+
+        def attend(layer, q, k, v):
+            kv.append((k, v))
+            observed.append(self.method.prefill_observe(layer, q, k, ctx))
+            return attention(q, k, v, mask)
+
+        hidden = model.forward(tokens, positions, attend)
+        last = hidden[jnp.arange(b), lengths - 1][:, None]  # only the last prompt token needs logits
+        logits = model.logits(last)[:, 0]
+
+        scores = self.method.prefill_scores(observed, ctx)
+        caches = [
+            GroupCache.empty(stop - start, b, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype)
+            for (start, stop), capacity in zip(self.groups, capacities, strict=True)
+        ]
+        for layer, (k, v) in enumerate(kv):
+            g, li = self._layer_slot(layer)
+            n_keep = min(t, capacities[g])
+            quota = jnp.maximum(jnp.floor(self.fractions[layer] * lengths).astype(jnp.int32), 1)  # i32[B]
+            ranked = jnp.where(valid[:, None], scores[layer], -jnp.inf)  # padding never kept
+            keep = jax.lax.top_k(ranked, n_keep)[1].astype(jnp.int32)  # [B, K, n_keep], best first
+            count = jnp.broadcast_to(jnp.minimum(quota, n_keep)[:, None], keep.shape[:2])
+            caches[g] = caches[g].fill(li, k, v, positions, roles, keep, count, scores[layer])
+        kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B]
+        return logits, caches, kept
+
+    def decode(self, params, caches, tokens, positions, roles, prompt_lengths, mask_bits, key, temperature, top_p):
+        """One token per sequence: write its K/V, attend to the cache, enforce the running cap, mask, sample."""
+        model = nnx.merge(self.graphdef, params)
+        b = tokens.shape[0]
+        kv_heads = self.cfg.num_kv_heads
+        caches = list(caches)
+        method = self.method
+
+        def attend(layer, q, k, v):
+            g, li = self._layer_slot(layer)
+            cache = caches[g].write(
+                li,
+                k[:, 0],
+                v[:, 0],
+                positions,
+                roles,
+                jnp.ones((b, kv_heads), bool),
+                method.new_token_score(layer, positions, roles, kv_heads),
+            )
+            if method.needs_decode_attention:
+                out, probs = cache.attend_probs(li, q[:, 0])
+                cache = dataclasses.replace(
+                    cache, score=cache.score.at[li].set(method.update_scores(layer, cache.score[li], probs))
+                )
+            else:
+                out = cache.attend(li, q[:, 0], self.use_kernel)
+            # Running cap after this token: floor(fraction * (P + t)) entries per (layer, sequence, head).
+            cap = jnp.floor(self.fractions[layer] * (positions + 1)).astype(jnp.int32)  # i32[B]
+            over = cache.length[li] > cap[:, None]
+            priority = method.eviction_priority(
+                layer, cache.score[li], cache.pos[li], cache.role[li], positions, prompt_lengths
+            )
+            priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)
+            caches[g] = cache.evict(li, jnp.argmin(priority, axis=-1).astype(jnp.int32), over)
+            return out[:, None]
+
+        hidden = model.forward(tokens[:, None], positions[:, None], attend)
+        logits = model.logits(hidden)[:, 0]
+        next_tokens = _sample_masked(logits, mask_bits, key, temperature, top_p)
+        kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B] over layers and heads
+        overflow = jnp.stack([c.overflow for c in caches]).any()
+        return next_tokens, caches, kept, overflow
+
+
+# One compiled function per static signature (plan, capacities / sampling); the caches are donated to each step.
+_prefill = jax.jit(StepPlan.prefill, static_argnums=(0, 5))
+_decode = jax.jit(StepPlan.decode, static_argnums=(0, 9, 10), donate_argnums=(2,))
+
+
 class Engine:
     """Batched prefill + jitted decode over a ragged, budget-sized KV cache.
 
@@ -133,69 +271,36 @@ class Engine:
     ):
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"budget={budget} must be in (0, 1]")
-        self.cfg = model.config
-        self.graphdef, self.params = nnx.split(model)
-        self.method = method or FullKV()
+        self.cfg = cfg = model.config
+        graphdef, self.params = nnx.split(model)
+        self.method = method = method or FullKV()
         self.budget = budget
-        self.groups = layer_groups(self.cfg.num_layers, min(num_groups, self.cfg.num_layers))
-        self.use_kernel = use_kernel
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.length_buckets = tuple(sorted(length_buckets))
         self.max_context = max_context
-        self.dtype = model.embed.embedding.dtype
-        # One compiled function per static signature; the cache (argument 1) is donated to each step.
-        self._prefill = jax.jit(self._prefill_fn, static_argnums=(4,))
-        self._decode = jax.jit(self._decode_fn, static_argnums=(7, 8), donate_argnums=(1,))
+        fractions = np.asarray(method.layer_fractions(cfg.num_layers, budget), np.float64)
+        if fractions.shape != (cfg.num_layers,) or not ((fractions > 0) & (fractions <= 1)).all():
+            raise ValueError(f"method {method.name!r} gave layer fractions outside (0, 1]: {fractions}")
+        self.plan = StepPlan(
+            graphdef=graphdef,
+            cfg=cfg,
+            method=method,
+            groups=layer_groups(cfg.num_layers, min(num_groups, cfg.num_layers)),
+            fractions=tuple(float(f) for f in fractions),
+            use_kernel=use_kernel,
+            dtype=model.embed.embedding.dtype,
+        )
 
-    # ---- jitted bodies ----
+    @property
+    def fractions(self) -> tuple[float, ...]:
+        return self.plan.fractions
 
-    def _layer_slot(self, layer: int) -> tuple[int, int]:
-        for g, (start, stop) in enumerate(self.groups):
-            if start <= layer < stop:
-                return g, layer - start
-        raise IndexError(layer)
+    def capacities(self, prompt_bucket: int, new_tokens: int) -> tuple[int, ...]:
+        return self.plan.capacities(prompt_bucket, new_tokens)
 
-    def _prefill_fn(self, params, tokens, lengths, roles, capacity: int):
-        """tokens i32[B, T], lengths i32[B], roles i32[B, T] -> last-token logits f32[B, V], caches."""
-        model = nnx.merge(self.graphdef, params)
-        b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        valid = positions < lengths[:, None]
-        mask = (positions[:, :, None] >= positions[:, None, :]) & valid[:, None, :]
-        cfg = self.cfg
-        caches = [
-            GroupCache.empty(stop - start, b, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype)
-            for start, stop in self.groups
-        ]
-
-        def attend(layer, q, k, v):
-            g, li = self._layer_slot(layer)
-            keep, count = self.method.prefill_keep(layer, q, k, valid, capacity)
-            caches[g] = caches[g].fill(li, k, v, positions, roles, keep, count)
-            return attention(q, k, v, mask)
-
-        hidden = model.forward(tokens, positions, attend)
-        last = hidden[jnp.arange(b), lengths - 1][:, None]  # only the last prompt token needs logits
-        return model.logits(last)[:, 0], caches
-
-    def _decode_fn(self, params, caches, tokens, positions, roles, mask_bits, key, temperature, top_p):
-        """One token per sequence: write its K/V, attend to the cache, mask, sample."""
-        model = nnx.merge(self.graphdef, params)
-        b = tokens.shape[0]
-        caches = list(caches)
-
-        def attend(layer, q, k, v):
-            g, li = self._layer_slot(layer)
-            enter = jnp.ones((b, self.cfg.num_kv_heads), bool)
-            caches[g] = caches[g].write(li, k[:, 0], v[:, 0], positions, roles, enter)
-            return caches[g].attend(li, q[:, 0], self.use_kernel)[:, None]
-
-        hidden = model.forward(tokens[:, None], positions[:, None], attend)
-        logits = model.logits(hidden)[:, 0]
-        next_tokens = _sample_masked(logits, mask_bits, key, temperature, top_p)
-        kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B] over layers and heads
-        overflow = jnp.stack([c.overflow for c in caches]).any()
-        return next_tokens, caches, kept, overflow
+    def prefill(self, tokens: np.ndarray, lengths: np.ndarray, roles: np.ndarray, capacities: tuple[int, ...]):
+        """Jitted prefill of right-padded prompts -> (last-token logits, caches, kept entries per sequence)."""
+        return _prefill(self.plan, self.params, tokens, lengths, roles, capacities)
 
     # ---- host loop ----
 
@@ -233,10 +338,11 @@ class Engine:
         all_lengths = np.ones(b_bucket, np.int32)
         all_lengths[:n] = lengths
         new_bucket = -(-sampling.max_new_tokens // NEW_TOKEN_BUCKET) * NEW_TOKEN_BUCKET
-        capacity = self.method.capacity(t_bucket, new_bucket, self.budget)
+        capacities = self.capacities(t_bucket, new_bucket)
 
         start = time.perf_counter()
-        logits, caches = self._prefill(self.params, tokens, all_lengths, roles, capacity)
+        logits, caches, kept = self.prefill(tokens, all_lengths, roles, capacities)
+        kept = np.asarray(kept)
         no_constraint = jnp.full((b_bucket, -(-cfg.vocab_size // 32)), -1, jnp.int32)
         key = jax.random.key(sampling.seed)
         # The first token comes from the prefill logits: one decode step per later token.
@@ -245,12 +351,17 @@ class Engine:
         current = np.asarray(_sample_masked(logits, bits, sub, sampling.temperature, sampling.top_p))
         ttft = time.perf_counter() - start
 
-        stats = [RequestStats(prompt_tokens=int(lengths[i]), ttft_s=ttft) for i in range(n)]
+        full_per_token = cfg.num_layers * cfg.num_kv_heads
+        stats = [
+            RequestStats(
+                prompt_tokens=int(lengths[i]), ttft_s=ttft, kept_ratios=[kept[i] / (full_per_token * lengths[i])]
+            )
+            for i in range(n)
+        ]
         outputs: list[list[int]] = [[] for _ in range(n)]
         done = np.zeros(b_bucket, bool)
         done[n:] = True
         finish = ["length"] * n
-        full_per_token = cfg.num_layers * cfg.num_kv_heads
         positions = all_lengths.copy()
         for step in range(sampling.max_new_tokens):
             for i in np.flatnonzero(~done[:n]):
@@ -268,12 +379,22 @@ class Engine:
             t0 = time.perf_counter()
             bits = no_constraint if constraint is None else _pad_rows(constraint.mask(), b_bucket)
             key, sub = jax.random.split(key)
-            next_tokens, caches, kept, overflow = self._decode(
-                self.params, caches, current, positions, step_roles, bits, sub, sampling.temperature, sampling.top_p
+            next_tokens, caches, kept, overflow = _decode(
+                self.plan,
+                self.params,
+                caches,
+                current,
+                positions,
+                step_roles,
+                all_lengths,
+                bits,
+                sub,
+                sampling.temperature,
+                sampling.top_p,
             )
             current, kept = np.asarray(next_tokens), np.asarray(kept)
             if bool(overflow):
-                raise RuntimeError(f"KV cache overflow: method {self.method.name!r} exceeded capacity {capacity}")
+                raise RuntimeError(f"KV cache overflow: method {self.method.name!r} exceeded capacities {capacities}")
             dt = time.perf_counter() - t0
             for i in np.flatnonzero(~done[:n]):
                 stats[i].token_times_s.append(dt)

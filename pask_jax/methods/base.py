@@ -1,50 +1,98 @@
 """The interface every KV-compression method implements (kvpress-style: a method scores, the engine applies).
 
-A method answers three questions, all inside jitted code with static shapes:
-- `capacity`: how many slots per (layer, sequence, KV head) the cache needs (sized from the budget);
-- `prefill_keep`: which prompt entries of one layer to keep, as indices per (sequence, KV head);
-- `decode_enter` / `decode_evict`: whether a new token enters and which entry leaves (running cap).
+A method is a small object whose hooks run inside the engine's jitted prefill and decode step:
+
+- `layer_fractions`: the share of the current full length each layer may keep (mean over layers = budget b).
+  The engine sizes each layer group's capacity from it and enforces, per (layer, sequence, KV head), the running cap
+  `kept_l(t) <= floor(fraction_l * (P + t))` after every step; the token being written is the only slack.
+- `prefill_observe` (per layer, during the prompt pass) and `prefill_scores` (after it): a score per prompt entry,
+  f32[B, K, P]; the engine keeps the top `floor(fraction_l * P)` entries of each (sequence, KV head).
+- `new_token_score`, `update_scores` (with the step's attention weights, only if `needs_decode_attention`) and
+  `eviction_priority`: when a step's new token pushes a (layer, sequence, head) over its cap, the live entry with the
+  lowest priority leaves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+SLACK = 1  # the token being written: the running cap is kept(t) <= b * full(t) + SLACK per (layer, head)
+PROTECTED = 1e30  # priority of entries a method never evicts while others remain
 
 
+@dataclasses.dataclass
+class PrefillContext:
+    """What a method may look at when scoring the prompt."""
+
+    tokens: jax.Array  # i32[B, T] right-padded prompts
+    positions: jax.Array  # i32[B, T]
+    valid: jax.Array  # bool[B, T]
+    lengths: jax.Array  # i32[B] prompt lengths P_b
+    roles: jax.Array  # i32[B, T] prompt role ids
+    kv_heads: int
+    # Run extra tokens (i32[B, N] at positions i32[B, N]) after the prompt, causally, without touching the cache;
+    # returns per layer the attention mass they give each prompt key, summed over the N queries: f32[B, K, T].
+    extra_query_scores: Callable[[jax.Array, jax.Array], list[jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
 class KVMethod:
-    name = "base"
+    """Full-KV defaults; subclasses override what they change.
 
-    def capacity(self, prompt_len: int, max_new_tokens: int, budget: float) -> int:
-        """Slots per (layer, sequence, KV head) for prompts up to `prompt_len` plus `max_new_tokens`."""
-        raise NotImplementedError
+    Methods are frozen dataclasses: their fields are the hyper-parameters (overridable from a config file), and
+    equal methods hash equal, so engines built with them share compiled steps.
+    """
 
-    def prefill_keep(
+    name: ClassVar[str] = "base"
+    needs_decode_attention: ClassVar[bool] = False  # True: decode computes attention weights for `update_scores`
+
+    def layer_fractions(self, num_layers: int, budget: float) -> np.ndarray:
+        return np.full(num_layers, budget)
+
+    def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array | None:
+        """q f[B, T, N, H], k f[B, T, K, H] of one layer's prompt pass -> scores f32[B, K, T] or None."""
+        return None
+
+    def prefill_scores(self, observed: list[jax.Array | None], ctx: PrefillContext) -> list[jax.Array]:
+        """Per layer f32[B, K, T]: higher is kept first. Default: the observed scores, else recency."""
+        b, t = ctx.tokens.shape
+        recency = jnp.broadcast_to(ctx.positions[:, None].astype(jnp.float32), (b, ctx.kv_heads, t))
+        return [recency if o is None else o for o in observed]
+
+    def new_token_score(self, layer: int, position: jax.Array, role: jax.Array, kv_heads: int) -> jax.Array:
+        """i32[B], i32[B] -> f32[B, K]: the score a generated token enters with."""
+        return jnp.broadcast_to(position[:, None].astype(jnp.float32), (position.shape[0], kv_heads))
+
+    def update_scores(self, layer: int, scores: jax.Array, probs: jax.Array) -> jax.Array:
+        """scores f32[B, K, C], probs f32[B, K, G, C] (this step's attention) -> new scores."""
+        return scores
+
+    def eviction_priority(
         self,
         layer: int,
-        q: jax.Array,  # f[B, P, N, H] the prompt's queries (RoPE applied)
-        k: jax.Array,  # f[B, P, K, H]
-        valid: jax.Array,  # bool[B, P]
-        capacity: int,
-    ) -> tuple[jax.Array, jax.Array]:  # keep i32[B, K, n <= capacity], count i32[B, K]
-        raise NotImplementedError
+        scores: jax.Array,  # f32[B, K, C]
+        pos: jax.Array,  # i32[B, K, C] (-1: free)
+        role: jax.Array,  # i32[B, K, C]
+        position: jax.Array,  # i32[B] the position being written
+        prompt_len: jax.Array,  # i32[B]
+    ) -> jax.Array:  # f32[B, K, C]: the lowest live entry leaves
+        return scores
 
 
-def keep_all_valid(k: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Indices 0..P-1 for every head and the count of valid prompt tokens: the full-KV selection."""
-    b, p, kv_heads, _ = k.shape
-    keep = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, kv_heads, p))
-    count = jnp.broadcast_to(valid.sum(-1, dtype=jnp.int32)[:, None], (b, kv_heads))
-    return keep, count
+def budget_capacity(prompt_len: int, max_new_tokens: int, fraction: float) -> int:
+    """Slots per (layer, sequence, KV head) that a layer keeping `fraction` of the full length needs at the end."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"budget={fraction} must be in (0, 1]")
+    return min(math.ceil(round(fraction * (prompt_len + max_new_tokens), 6)), prompt_len + max_new_tokens) + SLACK
 
 
-SLACK = 1  # the token being written: every method's running cap is kept(t) <= b * full(t) + SLACK per (layer, head)
-
-
-def budget_capacity(prompt_len: int, max_new_tokens: int, budget: float) -> int:
-    """Slots per (layer, sequence, KV head) that a uniform share of budget b needs at the last step."""
-    if not 0.0 < budget <= 1.0:
-        raise ValueError(f"budget={budget} must be in (0, 1]")
-    return math.ceil(round(budget * (prompt_len + max_new_tokens), 6)) + SLACK
+def recency_priority(pos: jax.Array, sinks: int = 0) -> jax.Array:
+    """Older entries leave first; the first `sinks` positions (attention sinks) never leave while others remain."""
+    return jnp.where(pos < sinks, PROTECTED, pos.astype(jnp.float32))

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import jax
+import dataclasses
+from typing import ClassVar
 
-from pask_jax.methods.base import KVMethod, keep_all_valid
+import numpy as np
+
+from pask_jax.methods.base import KVMethod
 
 
+@dataclasses.dataclass(frozen=True)
 class FullKV(KVMethod):
-    name = "full"
+    name: ClassVar[str] = "full"
 
-    def capacity(self, prompt_len: int, max_new_tokens: int, budget: float) -> int:
-        return prompt_len + max_new_tokens
-
-    def prefill_keep(
-        self, layer: int, q: jax.Array, k: jax.Array, valid: jax.Array, capacity: int
-    ) -> tuple[jax.Array, jax.Array]:
-        return keep_all_valid(k, valid)
+    def layer_fractions(self, num_layers: int, budget: float) -> np.ndarray:
+        return np.ones(num_layers)  # full KV ignores the budget

@@ -152,22 +152,30 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(
+def attention_probs(
     q: jax.Array,  # f[B, T, N, H]
     k: jax.Array,  # f[B, S, K, H]
-    v: jax.Array,  # f[B, S, K, H]
     mask: jax.Array,  # bool[B, T, S]: True where query t may attend key s
-) -> jax.Array:  # f[B, T, N, H]
-    """Grouped-query softmax attention over explicit keys; the reference every cache path must match."""
+) -> jax.Array:  # f32[B, K, G, T, S]
+    """Softmax attention weights, grouped by KV head; rows with no visible key are zeros, never NaN."""
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
     qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) / math.sqrt(h)
     visible = mask[:, None, None]  # [B, 1, 1, T, S]
-    # A finite fill (not -inf) so that a query with no visible key (a padding row) gives zeros, never NaN.
-    probs = jax.nn.softmax(jnp.where(visible, logits, -1e30), axis=-1)
-    probs = jnp.where(visible, probs, 0.0)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
+    # A finite fill (not -inf) so that a fully masked row (padding) softmaxes to finite values we then zero.
+    return jnp.where(visible, jax.nn.softmax(jnp.where(visible, logits, -1e30), axis=-1), 0.0)
+
+
+def attention(
+    q: jax.Array,  # f[B, T, N, H]
+    k: jax.Array,  # f[B, S, K, H]
+    v: jax.Array,  # f[B, S, K, H]
+    mask: jax.Array,  # bool[B, T, S]
+) -> jax.Array:  # f[B, T, N, H]
+    """Grouped-query softmax attention over explicit keys; the reference every cache path must match."""
+    b, t, n, h = q.shape
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", attention_probs(q, k, mask).astype(v.dtype), v)
     return out.reshape(b, t, n, h)
 
 

@@ -1,0 +1,143 @@
+"""Run BFCL through the engine: grammar-constrained generation per (method, budget, category), scored by BFCL.
+
+    pask-jax bfcl --model qwen2.5-coder-0.5b --methods full --budget 1.0 --categories all --limit 25 --out r.json
+
+Items come from the evaluation side of the fixed split (`bfcl.evaluation_sample`); calibration items are never
+scored. Each batch gets one compiled grammar per item (its own functions), the prompt roles of its tokens, and
+the engine's per-request statistics (kept/full KV ratios, token counts, times).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from pask_jax import bfcl
+from pask_jax.engine import Engine, SamplingConfig
+from pask_jax.methods import METHODS
+from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions
+from pask_jax.models.qwen3 import Qwen3
+from pask_jax.models.tokenizer import Tokenizer
+from pask_jax.structure.grammar import GrammarConstraint, compile_grammar
+from pask_jax.structure.prompt_roles import prompt_roles
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    methods: tuple[str, ...] = ("full",)
+    budgets: tuple[float, ...] = (1.0,)
+    categories: tuple[str, ...] = bfcl.CATEGORIES
+    offset: int = 0
+    limit: int = 25
+    batch_size: int = 8
+    max_new_tokens: int = 256
+    framing: str = "tool_call"
+    num_groups: int = 4
+
+
+def run_category(
+    engine: Engine, tokenizer: Tokenizer, category: str, cfg: EvalConfig, progress: tqdm | None = None
+) -> dict:
+    items = bfcl.evaluation_sample(category, cfg.offset, cfg.limit)
+    answers = bfcl.load_answers(category)
+    prompts = [tokenizer.encode(bfcl_prompt(item)) for item in items]
+    order = np.argsort([len(p) for p in prompts])  # similar lengths share a batch: less padding
+    results: list[dict | None] = [None] * len(items)
+    parser_s = step_s = 0.0
+    steps = 0
+    for start in range(0, len(items), cfg.batch_size):
+        idx = [int(i) for i in order[start : start + cfg.batch_size]]
+        functions = [bfcl_python_functions(items[i]["function"]) for i in idx]
+        grammars = [compile_grammar(f, tokenizer, framing=cfg.framing) for f in functions]
+        constraint = GrammarConstraint(grammars, engine.cfg.vocab_size)
+        roles = [prompt_roles(bfcl_prompt(items[i]), tokenizer, functions[k]) for k, i in enumerate(idx)]
+        gens = engine.generate(
+            [prompts[i] for i in idx],
+            SamplingConfig(max_new_tokens=cfg.max_new_tokens),
+            prompt_roles=roles,
+            constraint=constraint,
+        )
+        parser_s += constraint.host_seconds
+        for k, i in enumerate(idx):
+            gen = gens[k]
+            text = tokenizer.decode(gen.tokens)
+            valid, error_type, _ = bfcl.score_text(items[i], answers[items[i]["id"]], text)
+            parsed = error_type != "ast_decoder:decoder_failed"
+            step_s += sum(gen.stats.token_times_s)
+            steps += len(gen.stats.token_times_s)
+            results[i] = {
+                "id": items[i]["id"],
+                "text": text,
+                "valid": bool(valid),
+                "parsed": parsed,
+                "error_type": error_type,
+                "kept_ratio_mean": gen.stats.kept_ratio_mean,
+                "kept_ratio_max": gen.stats.kept_ratio_max,
+                "prompt_tokens": gen.stats.prompt_tokens,
+                "generated_tokens": gen.stats.generated_tokens,
+                "finish_reason": gen.finish_reason,
+                "ttft_s": round(gen.stats.ttft_s, 3),
+                "decode_s": round(sum(gen.stats.token_times_s), 3),
+            }
+        if progress is not None:
+            progress.update(len(idx))
+    done = [r for r in results if r is not None]
+    return {
+        "category": category,
+        "n": len(done),
+        "correct": sum(r["valid"] for r in done),
+        "accuracy": sum(r["valid"] for r in done) / max(len(done), 1),
+        "parsed_fraction": sum(r["parsed"] for r in done) / max(len(done), 1),
+        "kept_ratio_mean": float(np.mean([r["kept_ratio_mean"] for r in done])) if done else 1.0,
+        "kept_ratio_max": float(np.max([r["kept_ratio_max"] for r in done])) if done else 1.0,
+        "parser_seconds_per_step_fraction": parser_s / max(step_s + parser_s, 1e-9),
+        "decode_steps": steps,
+        "items": done,
+    }
+
+
+def run_bfcl(model: Qwen3, tokenizer: Tokenizer, model_name: str, cfg: EvalConfig) -> dict:
+    unknown = sorted(set(cfg.methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
+    runs, summary = [], []
+    total = sum(len(bfcl.evaluation_sample(c, cfg.offset, cfg.limit)) for c in cfg.categories)
+    for method in cfg.methods:
+        for budget in cfg.budgets:
+            engine = Engine(
+                model,
+                method=METHODS[method](),
+                budget=budget,
+                num_groups=cfg.num_groups,
+                stop_token_ids=tokenizer.eos_token_ids,
+            )
+            scores = {}
+            with tqdm(total=total, desc=f"{method}@{budget}", unit="item") as progress:
+                for category in cfg.categories:
+                    t0 = time.perf_counter()
+                    run = run_category(engine, tokenizer, category, cfg, progress)
+                    run |= {"method": method, "budget": budget, "wall_s": round(time.perf_counter() - t0, 1)}
+                    runs.append(run)
+                    scores[category] = (run["correct"], run["n"])
+            summary.append({"method": method, "budget": budget, **bfcl.summarize(scores)})
+    return {"model": model_name, "config": dataclasses.asdict(cfg), "runs": runs, "summary": summary}
+
+
+def format_table(result: dict, categories: Sequence[str]) -> str:
+    """Accuracy per (method, budget) x category, then the three means, as a Markdown table."""
+    head = ["method", "budget", *categories, "non_live", "live", "overall"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in result["summary"]:
+        accs = {
+            r["category"]: r["accuracy"]
+            for r in result["runs"]
+            if r["method"] == s["method"] and r["budget"] == s["budget"]
+        }
+        cells = [f"{100 * accs[c]:.0f}" if c in accs else "-" for c in categories]
+        means = [f"{100 * s[k]:.1f}" if s.get(k) is not None else "-" for k in ("non_live", "live", "overall")]
+        lines.append("| " + " | ".join([s["method"], f"{s['budget']:g}", *cells, *means]) + " |")
+    return "\n".join(lines)

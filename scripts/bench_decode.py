@@ -1,0 +1,555 @@
+"""Prefill and decode throughput: our JAX engine vs transformers' PyTorch `generate`, same checkpoint, same prompts.
+
+    python scripts/bench_decode.py [--quick] [--new-tokens 32] [--batches 1,8] [--out results/bench_decode.json]
+
+Both sides run the same GGUF (`qwen2.5-coder-0.5b` by default) in fp32, greedy, on the same BFCL Qwen FC prompts
+(the first B items of `simple_python`, tokenised with our tokenizer), with no stop token so that every request
+generates exactly N tokens. For each batch size each side gets one untimed warm-up call with the same shapes (its
+time, which for us includes the XLA compiles, is reported separately), then `--repeats` timed calls, the two sides
+interleaved (ours, transformers, ours, ...) so that background load on a shared machine hits both alike; the median
+of the repeats is reported.
+
+What is timed (both sides: the first output token comes from the prefill logits, N-1 decode steps follow):
+- ours: `Engine.generate` stats: `ttft_s` (prefill + first token on the host) and `token_times_s` (wall time of each
+  decode step, host loop included). Our engine pads prompts to a length bucket and the batch to a power of two; the
+  token counts and rates below are real (unpadded) tokens, the padded shapes are reported next to them.
+- transformers: one `model.generate(do_sample=False, max_new_tokens=N)` call over the left-padded batch (with its
+  attention mask, pad id 151643, no EOS so it never stops early), timed from inside by a no-op LogitsProcessor that
+  stamps the wall clock each time generate hands it a step's logits. The first stamp minus the call start is the
+  prefill (+ generate's set-up), the gaps between stamps are the decode steps (each: pick the token, update the
+  DynamicCache, one forward). This is what a user of `generate` experiences, unlike a hand-written cache loop.
+
+prefill tok/s = real prompt tokens of the batch / ttft; decode tok/s = B * steps / sum of step times; TPOT (ms per
+output token per sequence) = sum of step times / steps. Ratios are ours / transformers (speedup > 1: ours faster).
+Where a decode step's time goes: during the timed runs, forward hooks time transformers' model / decoder stack / LM
+head on each step, and a wrapper times our jitted decode call until its outputs are ready (the rest of our step is
+the host loop); afterwards (unless --no-diagnose) the pieces of our step (layers without cache, LM head, mask) are
+jitted and timed alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import torch
+import transformers
+from flax import nnx
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+import pask_jax.engine
+from pask_jax import Engine, SamplingConfig, load_model, load_tokenizer, resolve_model_path
+from pask_jax.bfcl import load_category
+from pask_jax.models.chat_template import bfcl_prompt
+
+PAD_ID = 151643  # <|endoftext|>, Qwen2.5's pad token
+
+
+# ---------------------------------------------------------------- probes (where a decode step's time goes)
+
+
+class TorchProbe:
+    """Forward hooks timing each call of the whole model, its decoder stack and its LM head during generate.
+
+    The first call of a generate is the prefill; the rest are decode steps. The hooks cost microseconds a call.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.ms: dict[str, list[float]] = {"forward": [], "layers": [], "lm_head": []}
+        self._t0: dict[str, float] = {}
+        for name, module in (("forward", model), ("layers", model.model), ("lm_head", model.lm_head)):
+            module.register_forward_pre_hook(self._pre(name))
+            module.register_forward_hook(self._post(name))
+
+    def _pre(self, name: str):
+        def hook(module, args):
+            self._t0[name] = time.perf_counter()
+
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, output):
+            self.ms[name].append(1e3 * (time.perf_counter() - self._t0[name]))
+
+        return hook
+
+    def take(self) -> dict[str, list[float]]:
+        out, self.ms = self.ms, {k: [] for k in self.ms}
+        return out
+
+
+def _jitted(engine: Engine, name: str) -> tuple[object, object]:
+    """(owner, attribute owner) of the engine's jitted `_prefill` / `_decode`: the instance or the engine module."""
+    for owner in (engine, pask_jax.engine):
+        if hasattr(owner, name):
+            return owner, getattr(owner, name)
+    return None, None
+
+
+class JaxProbe:
+    """Wraps the engine's jitted decode step: the time from the call until all its outputs are ready.
+
+    `generate` reads the step's tokens back right after the call anyway, so the extra block adds nothing to the
+    step; comparing with the step time `generate` reports gives the host loop's share. Found wherever the engine
+    keeps it (instance attribute or module global); if neither, the probe records nothing.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.ms: list[float] = []
+        owner, inner = _jitted(engine, "_decode")
+        self.found = owner is not None
+        if not self.found:
+            return
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(inner(*args, **kwargs))
+            self.ms.append(1e3 * (time.perf_counter() - t0))
+            return out
+
+        timed._cache_size = getattr(inner, "_cache_size", lambda: -1)
+        owner._decode = timed
+
+    def take(self) -> list[float]:
+        out, self.ms = self.ms, []
+        return out
+
+
+# ---------------------------------------------------------------- transformers side
+
+
+def load_transformers(path: Path) -> tuple[torch.nn.Module, str]:
+    """The GGUF through transformers' own loader, dequantised to fp32; returns (model, how it was loaded).
+
+    `from_pretrained(gguf_file=...)` needs `accelerate`; without it we run the same GGUF reader/dequantiser
+    (`load_gguf_checkpoint`, what from_pretrained calls) into a model built from the GGUF's config.
+    """
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        how = "AutoModelForCausalLM.from_pretrained(gguf_file=...)"
+    except ValueError as e:
+        if "accelerate" not in str(e):
+            raise
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+            raise RuntimeError(f"GGUF state dict mismatch: missing {missing}, unexpected {unexpected}") from e
+        model.tie_weights()
+        how = "from_config + load_gguf_checkpoint (accelerate not installed, from_pretrained(gguf_file) refuses)"
+    model.eval()
+    gc = model.generation_config
+    gc.eos_token_id, gc.pad_token_id, gc.do_sample = None, PAD_ID, False  # never stop early, like our engine here
+    gc.temperature = gc.top_p = gc.top_k = None
+    return model, how
+
+
+class StepClock(LogitsProcessor):
+    """No-op logits processor: stamps the wall clock each time generate has a new step's logits."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p) :] = torch.tensor(p)
+        mask[i, longest - len(p) :] = 1
+    return ids, mask
+
+
+def run_transformers(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, probe: TorchProbe) -> dict:
+    ids, mask = left_pad(prompts)
+    clock = StepClock()
+    probe.take()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, logits_processor=LogitsProcessorList([clock])
+        )
+        wall = time.perf_counter() - t0
+    tokens = out[:, ids.shape[1] :].tolist()
+    if any(len(t) != new_tokens for t in tokens) or len(clock.stamps) != new_tokens:
+        raise RuntimeError(f"transformers generated {[len(t) for t in tokens]} tokens, expected {new_tokens}")
+    probed = probe.take()
+    return {
+        "ttft_s": clock.stamps[0] - t0,
+        "step_s": [b - a for a, b in zip(clock.stamps, clock.stamps[1:], strict=False)],
+        "wall_s": wall,
+        "tokens": tokens,
+        "probe_ms": {k: v[1:] for k, v in probed.items()},  # decode calls only (the first is the prefill)
+        "prefill_forward_ms": probed["forward"][0],
+    }
+
+
+# ---------------------------------------------------------------- our side
+
+
+def run_ours(engine: Engine, prompts: list[list[int]], new_tokens: int, probe: JaxProbe) -> dict:
+    probe.take()
+    t0 = time.perf_counter()
+    gens = engine.generate(prompts, SamplingConfig(max_new_tokens=new_tokens))
+    wall = time.perf_counter() - t0
+    if any(len(g.tokens) != new_tokens for g in gens):
+        raise RuntimeError(f"our engine generated {[len(g.tokens) for g in gens]} tokens, expected {new_tokens}")
+    stats = gens[0].stats  # one batch: every request shares the prefill time and the step times
+    return {
+        "ttft_s": stats.ttft_s,
+        "step_s": list(stats.token_times_s),
+        "wall_s": wall,
+        "tokens": [g.tokens for g in gens],
+        "probe_ms": {"decode_call": probe.take()},
+    }
+
+
+def compile_counts(engine: Engine) -> dict[str, int]:
+    """Compiled variants of the engine's jitted functions (-1: not found); growth after warm-up = a recompile."""
+
+    def size(fn) -> int:
+        return fn._cache_size() if hasattr(fn, "_cache_size") else -1
+
+    return {
+        "prefill": size(_jitted(engine, "_prefill")[1]),
+        "decode": size(_jitted(engine, "_decode")[1]),
+        "sample": size(getattr(pask_jax.engine, "_sample_masked", None)),
+    }
+
+
+# ---------------------------------------------------------------- summaries
+
+
+def summarise(runs: list[dict], batch: int, prompt_tokens: int, warmup_s: float) -> dict:
+    ttft = statistics.median(r["ttft_s"] for r in runs)
+    steps = len(runs[0]["step_s"])
+    decode = statistics.median(sum(r["step_s"]) for r in runs)
+    probes = {
+        k: round(statistics.median(x for r in runs for x in r["probe_ms"][k]), 2) if runs[0]["probe_ms"][k] else None
+        for k in runs[0]["probe_ms"]
+    }
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "ttft_s": round(ttft, 4),
+        "prefill_tok_s": round(prompt_tokens / ttft, 2),
+        "decode_steps": steps,
+        "decode_s": round(decode, 4),
+        "decode_tok_s": round(batch * steps / decode, 3),
+        "tpot_ms": round(1e3 * decode / steps, 2),
+        "step_ms_median": round(1e3 * statistics.median(s for r in runs for s in r["step_s"]), 2),
+        "step_probe_ms_median": probes,
+        "wall_s": round(statistics.median(r["wall_s"] for r in runs), 3),
+        "warmup_s": round(warmup_s, 3),
+        "repeats": len(runs),
+        "per_repeat": [
+            {"ttft_s": round(r["ttft_s"], 4), "decode_s": round(sum(r["step_s"]), 4), "wall_s": round(r["wall_s"], 3)}
+            for r in runs
+        ],
+    }
+    if "prefill_forward_ms" in runs[0]:
+        out["prefill_forward_ms_median"] = round(statistics.median(r["prefill_forward_ms"] for r in runs), 1)
+    return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def timeit(fn, reps: int) -> float:
+    """Median wall ms of fn() (fn must block until its result is ready); one untimed call first."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(1e3 * (time.perf_counter() - t0))
+    return round(statistics.median(samples), 3)
+
+
+def pieces(model: pask_jax.Qwen3, hf: torch.nn.Module, batch: int, reps: int) -> dict:
+    """ms of the pieces of one decode step at `batch` (our padded batch), jitted alone, with no KV cache.
+
+    ours: the 24 layers at T=1 with attention to the token itself only (all the weight reads, no cache), the
+    same plus final norm + LM head + argmax, the LM head + argmax alone, the bare LM-head matmul, and the
+    packed-mask unpack + argmax over the vocabulary that every step applies. transformers: the bare LM-head
+    matmul. The gap between the decode call (probe) and "layers + head" is the cache: write, attend, bookkeeping.
+    """
+    from pask_jax.engine import sample, unpack_mask
+
+    cfg = model.config
+    b = 1 << (batch - 1).bit_length()
+    graphdef, params = nnx.split(model)
+
+    def self_attend(_, q, k, v):
+        return jnp.repeat(v, cfg.group_size, axis=2)
+
+    @jax.jit
+    def layers(params, tok, positions):
+        return nnx.merge(graphdef, params).forward(tok[:, None], positions[:, None], self_attend)
+
+    @jax.jit
+    def layers_head(params, tok, positions):
+        m = nnx.merge(graphdef, params)
+        return jnp.argmax(m.logits(m.forward(tok[:, None], positions[:, None], self_attend))[:, 0], axis=-1)
+
+    @jax.jit
+    def head(params, h):
+        return jnp.argmax(nnx.merge(graphdef, params).logits(h)[:, 0], axis=-1)
+
+    @jax.jit
+    def head_matmul(w, h):
+        return jnp.einsum("BD,VD->BV", h, w)
+
+    @jax.jit
+    def mask_argmax(logits, bits):
+        return sample(jnp.where(unpack_mask(bits, logits.shape[-1]), logits, -jnp.inf), None, 0.0, 1.0)
+
+    tok = jnp.zeros((b,), jnp.int32)
+    pos = jnp.full((b,), 300, jnp.int32)
+    h = jnp.ones((b, 1, cfg.hidden_size), jnp.float32)
+    w = model.lm_head.kernel[...].T if model.lm_head is not None else model.embed.embedding[...]
+    w = jnp.asarray(w)
+    bits = jnp.full((b, -(-cfg.vocab_size // 32)), -1, jnp.int32)
+    logits = jnp.ones((b, cfg.vocab_size), jnp.float32)
+    ours = {
+        "layers_no_cache": timeit(lambda: jax.block_until_ready(layers(params, tok, pos)), reps),
+        "layers_no_cache_plus_head_argmax": timeit(lambda: jax.block_until_ready(layers_head(params, tok, pos)), reps),
+        "final_norm_head_argmax": timeit(lambda: jax.block_until_ready(head(params, h)), reps),
+        "head_matmul_only": timeit(lambda: jax.block_until_ready(head_matmul(w, h[:, 0])), reps),
+        "mask_unpack_argmax": timeit(lambda: jax.block_until_ready(mask_argmax(logits, bits)), reps),
+    }
+    with torch.inference_mode():
+        hidden = torch.ones((batch, 1, cfg.hidden_size))
+        theirs = {"head_matmul_only": timeit(lambda: hf.lm_head(hidden), reps)}
+    return {"batch": batch, "our_padded_batch": b, "ours_ms": ours, "transformers_ms": theirs}
+
+
+# ---------------------------------------------------------------- main
+
+
+def machine_info() -> dict:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in line
+        ),
+        platform.processor(),
+    )
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+def code_state() -> dict:
+    """The commit and the uncommitted package files the run used (the engine may be mid-edit)."""
+
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    engine_py = Path(pask_jax.engine.__file__)
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty_package_files": git("status", "--porcelain", "pask_jax").splitlines(),
+        "engine_py_sha256": hashlib.sha256(engine_py.read_bytes()).hexdigest()[:16],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--category", default="simple_python", help="BFCL category whose first B items are the prompts")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    ap.add_argument("--repeats", type=int, default=2, help="timed calls per (side, batch); the median is reported")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--quick", action="store_true", help="batch 1 only, 8 new tokens (a smoke test)")
+    ap.add_argument("--no-diagnose", dest="diagnose", action="store_false", help="skip the decode-step pieces")
+    ap.add_argument(
+        "--no-thread-check",
+        dest="thread_check",
+        action="store_false",
+        help="skip re-timing transformers at batch 1 with 1 torch thread (sensitivity to a shared machine)",
+    )
+    ap.add_argument("--out", type=Path, default=Path("results/bench_decode.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.batches, args.new_tokens = "1", 8
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.repeats < 1 or args.new_tokens < 2 or min(batches) < 1:
+        raise SystemExit("need --repeats >= 1, --new-tokens >= 2, batches >= 1")
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+
+    path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(args.model)
+    items = load_category(args.category)[: max(batches)]
+    prompts = [tokenizer.encode(bfcl_prompt(item)) for item in items]
+    if len(prompts) < max(batches):
+        raise SystemExit(f"{args.category} has only {len(prompts)} items")
+
+    t0 = time.perf_counter()
+    model = load_model(args.model)
+    engine = Engine(model)  # no stop tokens: exactly new_tokens per request
+    load_ours = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hf, hf_how = load_transformers(path)
+    load_hf = time.perf_counter() - t0
+    jax_probe, torch_probe = JaxProbe(engine), TorchProbe(hf)
+
+    result: dict = {
+        "model": args.model,
+        "checkpoint": str(path),
+        "dtype": "float32",
+        "decoding": "greedy, no stop token (every request generates exactly new_tokens)",
+        "prompts": f"BFCL {args.category} items [0, B), Qwen FC prompt (bfcl_prompt), our tokenizer",
+        "new_tokens": args.new_tokens,
+        "batches": batches,
+        "machine": machine_info(),
+        "code": code_state(),
+        "load_s": {"ours": round(load_ours, 2), "transformers": round(load_hf, 2)},
+        "method": {
+            "ours": "Engine.generate stats: ttft_s (prefill + first token on host), token_times_s (each decode step)",
+            "transformers": (
+                "model.generate(max_new_tokens=N, greedy, left-padded + attention_mask, pad 151643, no eos), "
+                "timed by a no-op LogitsProcessor stamping each step: ttft = first stamp - call start, "
+                "decode steps = gaps between stamps (token pick + DynamicCache update + forward)"
+            ),
+            "transformers_load": hf_how,
+            "attn_implementation": getattr(hf.config, "_attn_implementation", None),
+            "timing": "one untimed warm-up call per (side, batch) with the same shapes, then repeats interleaved "
+            "ours/transformers; median over repeats",
+            "rates": "prefill_tok_s = real prompt tokens / ttft; decode_tok_s = B * steps / sum(step times); "
+            "tpot_ms = sum(step times) / steps",
+        },
+        "results": [],
+    }
+
+    for batch in batches:
+        batch_prompts = prompts[:batch]
+        prompt_tokens = sum(len(p) for p in batch_prompts)
+        longest = max(len(p) for p in batch_prompts)
+        buckets = getattr(engine, "length_buckets", pask_jax.engine.DEFAULT_LENGTH_BUCKETS)
+        t_bucket = next(b for b in sorted(buckets) if longest <= b)
+        b_bucket = 1 << (batch - 1).bit_length()
+        print(f"batch {batch}: {prompt_tokens} prompt tokens (longest {longest}), warming up ...", flush=True)
+
+        t0 = time.perf_counter()
+        run_ours(engine, batch_prompts, args.new_tokens, jax_probe)
+        warm_ours = time.perf_counter() - t0
+        compiles_after_warmup = compile_counts(engine)
+        t0 = time.perf_counter()
+        run_transformers(hf, batch_prompts, args.new_tokens, torch_probe)
+        warm_hf = time.perf_counter() - t0
+
+        ours_runs, hf_runs = [], []
+        for r in range(args.repeats):
+            ours_runs.append(run_ours(engine, batch_prompts, args.new_tokens, jax_probe))
+            hf_runs.append(run_transformers(hf, batch_prompts, args.new_tokens, torch_probe))
+            print(
+                f"  repeat {r}: ours ttft {ours_runs[-1]['ttft_s']:.2f}s decode {sum(ours_runs[-1]['step_s']):.2f}s"
+                f" | transformers ttft {hf_runs[-1]['ttft_s']:.2f}s decode {sum(hf_runs[-1]['step_s']):.2f}s",
+                flush=True,
+            )
+        compiles_after_timed = compile_counts(engine)
+
+        ours = summarise(ours_runs, batch, prompt_tokens, warm_ours)
+        ours["padding"] = {
+            "length_bucket": t_bucket,
+            "batch_bucket": b_bucket,
+            "padded_prompt_tokens": t_bucket * b_bucket,
+            "real_fraction": round(prompt_tokens / (t_bucket * b_bucket), 3),
+            "prefill_tok_s_padded": round(t_bucket * b_bucket / ours["ttft_s"], 2),
+        }
+        ours["compiled_variants"] = {"after_warmup": compiles_after_warmup, "after_timed": compiles_after_timed}
+        theirs = summarise(hf_runs, batch, prompt_tokens, warm_hf)
+        theirs["padding"] = {"left_padded_to": longest, "padded_prompt_tokens": longest * batch}
+
+        our_tokens, hf_tokens = ours_runs[-1]["tokens"], hf_runs[-1]["tokens"]
+        same = [a == b for a, b in zip(our_tokens, hf_tokens, strict=True)]
+        entry = {
+            "batch": batch,
+            "ours": ours,
+            "transformers": theirs,
+            "ours_over_transformers": {
+                "prefill_speedup": round(ours["prefill_tok_s"] / theirs["prefill_tok_s"], 3),
+                "decode_speedup": round(ours["decode_tok_s"] / theirs["decode_tok_s"], 3),
+                "tpot_ratio": round(ours["tpot_ms"] / theirs["tpot_ms"], 3),
+                "warmup_ratio": round(ours["warmup_s"] / theirs["warmup_s"], 3),
+            },
+            "same_greedy_tokens": {
+                "rows_identical": sum(same),
+                "rows": batch,
+                "first_divergence": [first_divergence(a, b) for a, b in zip(our_tokens, hf_tokens, strict=True)],
+            },
+        }
+        if batch == 1:
+            result["sanity_batch1_first_prompt_identical"] = same[0]
+            result["sanity_batch1_text"] = {
+                "ours": tokenizer.decode(our_tokens[0]),
+                "transformers": tokenizer.decode(hf_tokens[0]),
+            }
+        entry["loadavg_after"] = os.getloadavg()
+        result["results"].append(entry)
+        print(json.dumps({k: entry[k] for k in ("batch", "ours_over_transformers", "same_greedy_tokens")}), flush=True)
+
+    if args.thread_check and 1 in batches:
+        # OpenMP (torch) splits each op statically over its threads and waits for all of them: on a 2-core machine
+        # that other jobs share, every op can wait for a descheduled thread. One thread shows how much that costs.
+        torch.set_num_threads(1)
+        run_transformers(hf, prompts[:1], args.new_tokens, torch_probe)
+        runs = [run_transformers(hf, prompts[:1], args.new_tokens, torch_probe) for _ in range(args.repeats)]
+        torch.set_num_threads(args.threads)
+        one = summarise(runs, 1, len(prompts[0]), 0.0)
+        ours = result["results"][0]["ours"]
+        result["transformers_1_thread_batch1"] = {
+            **{k: one[k] for k in ("prefill_tok_s", "decode_tok_s", "tpot_ms", "step_probe_ms_median", "repeats")},
+            "ours_over_transformers_1_thread": {
+                "prefill_speedup": round(ours["prefill_tok_s"] / one["prefill_tok_s"], 3),
+                "decode_speedup": round(ours["decode_tok_s"] / one["decode_tok_s"], 3),
+            },
+            "loadavg_after": os.getloadavg(),
+        }
+        print(json.dumps(result["transformers_1_thread_batch1"]), flush=True)
+    if args.diagnose:
+        result["decode_step_pieces"] = [pieces(model, hf, b, 5 if args.quick else 10) for b in batches]
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    result["total_s"] = round(time.perf_counter() - t_start, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("results", "total_s")}, indent=1)[:4000])
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The shared matrix: every KV-compression method through the same invariants on a tiny random model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from pask_jax.engine import Engine, SamplingConfig
+from pask_jax.methods import METHODS
+from pask_jax.models.qwen3 import ModelConfig, Qwen3
+
+PROMPTS = [list(range(3, 40)), [7, 7, 120, 5, 9, 11, 13, 2, 2, 8, 100, 101], list(range(50, 75))]
+NEW = 20
+BUCKETS = (16, 64)
+
+
+@pytest.fixture(scope="module")
+def model() -> Qwen3:
+    return Qwen3(ModelConfig.tiny("qwen3", num_layers=4, vocab_size=256), rngs=nnx.Rngs(5))
+
+
+@pytest.fixture(scope="module")
+def full_tokens(model: Qwen3) -> list[list[int]]:
+    gens = Engine(model, length_buckets=BUCKETS).generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))
+    return [g.tokens for g in gens]
+
+
+def make(model: Qwen3, name: str, budget: float) -> Engine:
+    return Engine(model, method=METHODS[name](), budget=budget, num_groups=2, length_buckets=BUCKETS)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_running_cap_holds_at_every_step(model: Qwen3, name: str):
+    budget = 1.0 if name == "full" else 0.3
+    gens = make(model, name, budget).generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))
+    for prompt, gen in zip(PROMPTS, gens, strict=True):
+        assert len(gen.stats.kept_ratios) == gen.stats.generated_tokens  # prefill + every step but the last token
+        for t, ratio in enumerate(gen.stats.kept_ratios):
+            full_tokens = len(prompt) + t
+            # the slack: at most one entry per (layer, head) beyond b * full(t) (the prefill keeps at least one)
+            assert ratio <= budget + 1.0 / full_tokens + 1e-9, (t, ratio)
+        if name != "full":
+            assert gen.stats.kept_ratio_mean < budget + 0.05
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_budget_one_reproduces_full_kv(model: Qwen3, full_tokens: list[list[int]], name: str):
+    gens = make(model, name, 1.0).generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))
+    assert [g.tokens for g in gens] == full_tokens
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_deterministic_and_batch_equals_single(model: Qwen3, name: str):
+    engine = make(model, name, 0.4)
+    first = [g.tokens for g in engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))]
+    again = [g.tokens for g in engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))]
+    assert first == again
+    single = [engine.generate([p], SamplingConfig(max_new_tokens=NEW))[0].tokens for p in PROMPTS[:2]]
+    assert single == first[:2]
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_prefill_keeps_unique_valid_entries(model: Qwen3, name: str):
+    engine = make(model, name, 0.5)
+    lengths = np.array([len(p) for p in PROMPTS[:2]] + [1, 1], np.int32)
+    tokens = np.zeros((4, 64), np.int32)
+    for i, p in enumerate(PROMPTS[:2]):
+        tokens[i, : len(p)] = p
+    _, caches, _ = engine.prefill(tokens, lengths, np.zeros_like(tokens), engine.capacities(64, 64))
+    for cache in caches:
+        pos, length, table = np.asarray(cache.pos), np.asarray(cache.length), np.asarray(cache.table)
+        for idx in np.ndindex(length.shape):
+            live = pos[idx][table[idx][: length[idx]]]
+            assert len(set(live)) == len(live), "kept entries must be unique"
+            assert (live >= 0).all() and (live < lengths[idx[1]]).all(), "kept entries must be real prompt tokens"
+            quota = max(int(np.floor(engine.fractions[0] * lengths[idx[1]])), 1)
+            assert length[idx] == min(quota, cache.capacity)
