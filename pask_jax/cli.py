@@ -66,9 +66,16 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         framing=args.framing,
     )
+    from pask_jax.methods import load_method_config
+    from pask_jax.policy import PersistencePolicy
+
+    method_config = load_method_config(args.method_config)
+    policy = PersistencePolicy.load(args.policy) if args.policy else None
+    if "pask" in cfg.methods and policy is None:
+        print("note: --methods pask without --policy runs PASK uncalibrated (recency + sinks)", file=sys.stderr)
     model = load_model(args.model)
     tokenizer = load_tokenizer(args.model)
-    result = run_bfcl(model, tokenizer, args.model, cfg)
+    result = run_bfcl(model, tokenizer, args.model, cfg, method_config=method_config, policy=policy)
     print(format_table(result, categories))
     if args.out:
         out = Path(args.out)
@@ -99,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--framing", default="tool_call", choices=["tool_call", "json_fence"])
+    p.add_argument("--policy", help="compiled PASK policy directory (from `pask-jax calibrate`)")
+    p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
     p.add_argument("--out", help="write the full results JSON here")
     p.set_defaults(func=cmd_bfcl)
     args = parser.parse_args(argv)

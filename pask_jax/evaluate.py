@@ -18,10 +18,11 @@ from tqdm.auto import tqdm
 
 from pask_jax import bfcl
 from pask_jax.engine import Engine, SamplingConfig
-from pask_jax.methods import METHODS
+from pask_jax.methods import METHODS, make_method
 from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import Tokenizer
+from pask_jax.policy import PersistencePolicy
 from pask_jax.structure.grammar import GrammarConstraint, compile_grammar
 from pask_jax.structure.prompt_roles import prompt_roles
 
@@ -61,7 +62,7 @@ def run_category(
             prompt_roles=roles,
             constraint=constraint,
         )
-        parser_s += constraint.host_seconds
+        parser_s += constraint.mask_s + constraint.advance_s
         for k, i in enumerate(idx):
             gen = gens[k]
             text = tokenizer.decode(gen.tokens)
@@ -100,19 +101,32 @@ def run_category(
     }
 
 
-def run_bfcl(model: Qwen3, tokenizer: Tokenizer, model_name: str, cfg: EvalConfig) -> dict:
+def run_bfcl(
+    model: Qwen3,
+    tokenizer: Tokenizer,
+    model_name: str,
+    cfg: EvalConfig,
+    *,
+    method_config: dict[str, dict] | None = None,
+    policy: PersistencePolicy | None = None,
+) -> dict:
+    """Every (method, budget) over every category; `policy` is required for PASK (unless the uncalibrated ablation)."""
     unknown = sorted(set(cfg.methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
+    if policy is not None:
+        policy.check_compatible(model_name, model.config.num_layers)
+    method_config = method_config or {}
     runs, summary = [], []
     total = sum(len(bfcl.evaluation_sample(c, cfg.offset, cfg.limit)) for c in cfg.categories)
     for method in cfg.methods:
         for budget in cfg.budgets:
+            use_policy = method == "pask" and policy is not None
             engine = Engine(
                 model,
-                method=METHODS[method](),
+                method=make_method(method, method_config.get(method), policy=policy, budget=budget),
                 budget=budget,
-                num_groups=cfg.num_groups,
+                num_groups=policy.groups if use_policy else cfg.num_groups,
                 stop_token_ids=tokenizer.eos_token_ids,
             )
             scores = {}
@@ -124,7 +138,14 @@ def run_bfcl(model: Qwen3, tokenizer: Tokenizer, model_name: str, cfg: EvalConfi
                     runs.append(run)
                     scores[category] = (run["correct"], run["n"])
             summary.append({"method": method, "budget": budget, **bfcl.summarize(scores)})
-    return {"model": model_name, "config": dataclasses.asdict(cfg), "runs": runs, "summary": summary}
+    config = dataclasses.asdict(cfg) | {"method_config": method_config}
+    if policy is not None:
+        config["policy"] = {
+            "model": policy.model,
+            "groups": policy.groups,
+            "budgets": [t.budget for t in policy.tables],
+        }
+    return {"model": model_name, "config": config, "runs": runs, "summary": summary}
 
 
 def format_table(result: dict, categories: Sequence[str]) -> str:

@@ -68,11 +68,11 @@ def test_prefill_keeps_unique_valid_entries(model: Qwen3, name: str):
     for i, p in enumerate(PROMPTS[:2]):
         tokens[i, : len(p)] = p
     _, caches, _ = engine.prefill(tokens, lengths, np.zeros_like(tokens), engine.capacities(64, 64))
-    for cache in caches:
+    for (start, _), cache in zip(engine.plan.groups, caches, strict=True):
         pos, length, table = np.asarray(cache.pos), np.asarray(cache.length), np.asarray(cache.table)
         for idx in np.ndindex(length.shape):
             live = pos[idx][table[idx][: length[idx]]]
             assert len(set(live)) == len(live), "kept entries must be unique"
             assert (live >= 0).all() and (live < lengths[idx[1]]).all(), "kept entries must be real prompt tokens"
-            quota = max(int(np.floor(engine.fractions[0] * lengths[idx[1]])), 1)
+            quota = max(int(np.floor(engine.fractions[start + idx[0]] * lengths[idx[1]])), 1)
             assert length[idx] == min(quota, cache.capacity)

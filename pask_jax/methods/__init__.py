@@ -1,10 +1,61 @@
 """KV-compression methods: each decides which prompt entries a cache keeps and what leaves during decode."""
 
+import dataclasses
+import tomllib
+from pathlib import Path
+
 from pask_jax.methods.base import KVMethod
+from pask_jax.methods.dapq import DapQ
 from pask_jax.methods.full import FullKV
+from pask_jax.methods.h2o import H2O
+from pask_jax.methods.pask import PaskKV
+from pask_jax.methods.pyramidkv import PyramidKV
 from pask_jax.methods.random_kv import RandomKV
+from pask_jax.methods.snapkv import SnapKV
 from pask_jax.methods.streamingllm import StreamingLLM
 
-METHODS: dict[str, type[KVMethod]] = {m.name: m for m in (FullKV, RandomKV, StreamingLLM)}
+METHODS: dict[str, type[KVMethod]] = {
+    m.name: m for m in (FullKV, RandomKV, StreamingLLM, H2O, SnapKV, PyramidKV, DapQ, PaskKV)
+}
 
-__all__ = ["METHODS", "FullKV", "KVMethod", "RandomKV", "StreamingLLM"]
+
+def load_method_config(path: str | Path | None = None) -> dict[str, dict]:
+    """Per-method hyper-parameter overrides from a TOML file (default: configs/methods.toml, if present)."""
+    path = Path(path) if path is not None else Path(__file__).parents[2] / "configs" / "methods.toml"
+    if not path.exists():
+        return {}
+    config = tomllib.loads(path.read_text())
+    unknown = sorted(set(config) - set(METHODS))
+    if unknown:
+        raise ValueError(f"{path}: unknown method(s) {unknown}; known: {', '.join(METHODS)}")
+    return config
+
+
+def make_method(name: str, overrides: dict | None = None, *, policy=None, budget: float = 1.0) -> KVMethod:
+    """Build a method by name with hyper-parameter overrides; PASK takes its compiled policy for `budget`."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
+    overrides = dict(overrides or {})
+    fields = {f.name for f in dataclasses.fields(METHODS[name])}
+    bad = sorted(set(overrides) - fields)
+    if bad:
+        raise ValueError(f"method {name!r} has no hyper-parameter(s) {bad}; it has: {sorted(fields)}")
+    if name == "pask" and policy is not None:
+        return PaskKV.from_policy(policy, budget, **overrides)
+    return METHODS[name](**overrides)
+
+
+__all__ = [
+    "METHODS",
+    "DapQ",
+    "FullKV",
+    "H2O",
+    "KVMethod",
+    "PaskKV",
+    "PyramidKV",
+    "RandomKV",
+    "SnapKV",
+    "StreamingLLM",
+    "load_method_config",
+    "make_method",
+]

@@ -1,0 +1,109 @@
+"""Compile calibration statistics into a persistence policy, one table per target budget.
+
+1. Floors from task-error sensitivity: `floor[r, g]` is the smallest calibrated keep level whose task-error increase
+   stays within `tolerance` (1.0 if none does). If a group's floors cost more than its share of the budget, the
+   floors of the least sensitive buckets are lowered first.
+2. The remaining capacity is shared by attention-output distortion per removed entry: a fractional knapsack over
+   buckets (value = distortion per entry, weight = entries x layers), solved greedily in order of value density.
+   Greedy is exact for the linear relaxation, needs no tuning and is deterministic, which is why we use it rather
+   than an optax-solved continuous relaxation: the two agree on a linear objective, and greedy is cheaper.
+3. The online method sees the result as a per-group kept fraction and a priority order inside each group (higher
+   distortion per entry is kept longer); buckets keeping >= half their entries RETAIN, the others RELEASE.
+
+Ablation switches: `use_floors=False` (no floors), `use_distortion=False` (floors + uniform shares),
+`single_group=True` (statistics pooled over groups: one layer group).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pask_jax.policy import PersistencePolicy, PolicyTable
+
+MIN_GROUP_FRACTION = 0.02  # no group is starved of all its entries
+
+
+def compile_table(
+    stats,
+    budget: float,
+    *,
+    tolerance: float = 0.02,
+    use_floors: bool = True,
+    use_distortion: bool = True,
+    group_layers: np.ndarray | None = None,  # i[G] layers per group (default: equal)
+) -> PolicyTable:
+    """One budget's table from `CalibrationStats` (task_error[R, G, Λ], distortion_per_entry[R, G], entries[R, G])."""
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget={budget} must be in (0, 1]")
+    entries = np.asarray(stats.entries, np.float64)  # mean entries per item, per bucket
+    roles, groups = entries.shape
+    layers = np.ones(groups) if group_layers is None else np.asarray(group_layers, np.float64)
+    weight = entries * layers[None, :]  # entry-layers of each bucket
+    total_per_group = entries.sum(0) * layers  # entry-layers of each group at full KV
+    capacity = budget * total_per_group.sum()
+
+    # 1. Floors: smallest keep level within tolerance of the baseline task error.
+    levels = np.asarray(stats.levels, np.float64)
+    floor = np.zeros((roles, groups))
+    if use_floors:
+        within = np.asarray(stats.task_error) <= tolerance  # [R, G, Λ]
+        first_ok = np.where(within.any(-1), levels[np.argmax(within, -1)], 1.0)
+        floor = np.where(entries > 0, first_ok, 0.0)
+        sensitivity = np.asarray(stats.task_error)[..., 0]  # error increase when the bucket is removed
+        for g in range(groups):
+            share = budget * total_per_group[g]
+            for r in np.argsort(sensitivity[:, g]):  # least sensitive floors give way first
+                excess = (floor[:, g] * weight[:, g]).sum() - share
+                if excess <= 0:
+                    break
+                floor[r, g] = max(0.0, floor[r, g] - excess / max(weight[r, g], 1e-9))
+
+    # 2. Residual capacity by distortion per entry (fractional knapsack, greedy by value density). Buckets of equal
+    #    value form one class and share what is left in proportion to their room, so ties do not favour a group.
+    kept = floor * weight
+    residual = capacity - kept.sum()
+    value = np.asarray(stats.distortion_per_entry, np.float64) if use_distortion else np.ones((roles, groups))
+    for v in np.unique(value)[::-1]:
+        room = np.where(value == v, weight - kept, 0.0)
+        group_room = total_per_group - kept.sum(0)  # no group keeps more than all of its entries
+        room = np.minimum(room, group_room[None, :] * room / np.maximum(room.sum(0, keepdims=True), 1e-9))
+        take = min(1.0, residual / max(room.sum(), 1e-9))
+        kept += take * room
+        residual -= take * room.sum()
+        if residual <= 1e-9:
+            break
+
+    fractions = np.clip(kept.sum(0) / np.maximum(total_per_group, 1e-9), MIN_GROUP_FRACTION, 1.0)
+    mean = (fractions * layers).sum() / layers.sum()
+    if mean > budget:  # the minimum share pushed the total over: scale back so the running cap holds
+        fractions *= budget / mean
+    kept_fraction = np.where(weight > 0, kept / np.maximum(weight, 1e-9), 0.0)
+    # Priority: the rank of the bucket's value (dense: equal values share a priority), scaled into [0, 1).
+    distinct = np.unique(value)
+    priority = np.searchsorted(distinct, value) / len(distinct) if use_distortion else np.zeros((roles, groups))
+    return PolicyTable(
+        budget=float(budget),
+        floor=floor.astype(np.float32),
+        priority=priority.astype(np.float32),
+        retain=kept_fraction >= 0.5,
+        group_fractions=fractions.astype(np.float32),
+    )
+
+
+def compile_policy(
+    stats, budgets: list[float], *, release_window: int = 8, notes: str = "", **options
+) -> PersistencePolicy:
+    """A policy over several budgets, carrying the calibration's model, layer count, groups and item ids."""
+    from pask_jax.cache import layer_groups
+
+    group_layers = np.asarray([b - a for a, b in layer_groups(stats.num_layers, stats.groups)])
+    return PersistencePolicy(
+        model=stats.model,
+        num_layers=stats.num_layers,
+        groups=stats.groups,
+        tables=tuple(compile_table(stats, b, group_layers=group_layers, **options) for b in budgets),
+        release_window=release_window,
+        taxonomy=stats.taxonomy,
+        calibration_items=tuple(stats.item_ids),
+        notes=notes,
+    )

@@ -1,0 +1,77 @@
+"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
+arXiv 2306.14048).
+
+An entry's score is the attention it has received, accumulated over every query so far and summed over the GQA
+group (older tokens accumulate more, as in the paper). Prefill: the column sums of the prompt's causal attention
+(valid queries only). Decode (`needs_decode_attention`): each step adds the new query's attention weights; the new
+token enters with 0 and accumulates from its own step on.
+
+The budget is split between heavy hitters and a recent window (the paper's 50/50 split: `recent_fraction` = 0.5).
+- Decode: the most recent floor(recent_fraction * kept) positions are protected (kept = the entries that stay after
+  this step's eviction); among the others the lowest accumulated score leaves.
+- Prefill: the engine keeps the top `quota` entries, and the quota is not visible to the method, so the window is
+  folded into the ranking: the r-th most recent prompt token scores at least the accumulated score of the
+  floor(r (1 - rho) / rho)-th heaviest one. For every quota this keeps ~rho of it as the most recent tokens and the
+  rest as the heaviest (exactly H2O's split when the two sets are disjoint; when they overlap both sets extend, where
+  H2O would only extend the heavy set). Those recent entries carry the raised score into decode.
+
+Hyper-parameters: `recent_fraction` = 0.5 (the paper's equal heavy / recent budgets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
+from pask_jax.models.qwen3 import attention_probs
+
+
+def accumulated_attention(q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
+    """Column sums of the prompt's causal attention over valid queries and the GQA group -> f32[B, K, T]."""
+    mask = (ctx.positions[:, :, None] >= ctx.positions[:, None, :]) & ctx.valid[:, None, :]  # the engine's mask
+    return jnp.einsum("BKGTS,BT->BKS", attention_probs(q, k, mask), ctx.valid.astype(jnp.float32))
+
+
+def fold_recent_window(acc: jax.Array, lengths: jax.Array, recent_fraction: float) -> jax.Array:
+    """acc f32[B, K, T] -> ranking where any top-k holds ~recent_fraction of the most recent valid tokens."""
+    t = acc.shape[-1]
+    keys = jnp.arange(t)
+    valid = keys < lengths[:, None, None]
+    if recent_fraction == 0.0:
+        return acc
+    heaviest = -jnp.sort(jnp.where(valid, -acc, jnp.inf), axis=-1)  # descending, padding last
+    recency = lengths[:, None, None] - 1 - keys  # 0 = the last prompt token
+    level = jnp.floor(jnp.maximum(recency, 0) * (1.0 - recent_fraction) / recent_fraction).astype(jnp.int32)
+    level = jnp.minimum(level, lengths[:, None, None] - 1)
+    floor = jnp.take_along_axis(heaviest, jnp.broadcast_to(level, acc.shape), axis=-1)
+    return jnp.where(valid, jnp.maximum(acc, floor), 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class H2O(KVMethod):
+    name: ClassVar[str] = "h2o"
+    needs_decode_attention: ClassVar[bool] = True
+    recent_fraction: float = 0.5  # share of the kept entries reserved for the most recent tokens
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recent_fraction < 1.0:
+            raise ValueError(f"H2O recent_fraction={self.recent_fraction} must be in [0, 1)")
+
+    def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
+        return fold_recent_window(accumulated_attention(q, k, ctx), ctx.lengths, self.recent_fraction)
+
+    def new_token_score(self, layer: int, position: jax.Array, role: jax.Array, kv_heads: int) -> jax.Array:
+        return jnp.zeros((position.shape[0], kv_heads), jnp.float32)
+
+    def update_scores(self, layer: int, scores: jax.Array, probs: jax.Array) -> jax.Array:
+        return scores + probs.sum(axis=2)
+
+    def eviction_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
+        kept = (pos >= 0).sum(axis=-1, keepdims=True) - 1  # entries that stay after this step's eviction
+        recent = jnp.floor(self.recent_fraction * kept).astype(jnp.int32)
+        protected = pos > position[:, None, None] - recent
+        return jnp.where(protected, PROTECTED, scores)

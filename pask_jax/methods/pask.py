@@ -1,0 +1,127 @@
+"""PASK: parser-aware structural KV persistence, online side (arXiv 2608.28276).
+
+Every cache entry carries its structural role (prompt roles from lexing the tools JSON, generated roles from the
+grammar's parser state). A compiled `PersistencePolicy` gives, per (role, layer group) bucket, a protection floor,
+a priority and a RETAIN / RELEASE action; the method turns them into one integer-valued score per entry:
+
+    score = level * 2**16 + position,   level = 128 * protected + round(64 * priority)
+
+so the lowest level leaves first and, within a level, the oldest entry. `protected` marks the most recent
+ceil(floor * n) entries of each prompt bucket (the same recency rule calibration measured floors with) and
+generated tokens of buckets with floor >= 0.5. RELEASE buckets' generated entries fall to level 0 once they are
+more than `release_window` tokens old. The decode step does one table lookup per token: no attention statistics.
+Scores stay exact in float32 (< 2**24) for positions below 2**16.
+
+Hyper-parameters: `sinks` (first positions kept, as StreamingLLM's attention sinks; 1 here, the SINK role),
+`rank` ("recency", or "dapq": inside a level, order prompt entries by DapQ's position-aware pseudo-query scores
+instead of position). Without a policy (`PaskKV()`), every bucket is equal: recency with sinks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pask_jax.cache import layer_groups
+from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
+from pask_jax.methods.dapq import DapQ
+from pask_jax.policy import PersistencePolicy
+from pask_jax.structure.roles import Role, num_roles
+
+POSITION_RANGE = 2**16
+PROTECT_LEVEL = 128
+PRIORITY_LEVELS = 64
+
+Table = tuple[tuple[float, ...], ...]  # [R][G]
+
+
+@dataclasses.dataclass(frozen=True)
+class PaskKV(KVMethod):
+    name: ClassVar[str] = "pask"
+    floor: Table = ()  # [R][G]; empty: no policy (every bucket equal)
+    priority: Table = ()  # [R][G] in [0, 1)
+    retain: tuple[tuple[bool, ...], ...] = ()  # [R][G]
+    group_fractions: tuple[float, ...] = ()  # [G]
+    layer_group: tuple[int, ...] = ()  # [L] group of each layer
+    release_window: int = 8
+    sinks: int = 1
+    rank: str = "recency"  # or "dapq"
+
+    @classmethod
+    def from_policy(cls, policy: PersistencePolicy, budget: float, **overrides) -> PaskKV:
+        t = policy.table(budget)
+        groups = layer_groups(policy.num_layers, policy.groups)
+        return cls(
+            floor=tuple(map(tuple, t.floor.tolist())),
+            priority=tuple(map(tuple, t.priority.tolist())),
+            retain=tuple(map(tuple, t.retain.tolist())),
+            group_fractions=tuple(t.group_fractions.tolist()),
+            layer_group=tuple(g for g, (a, b) in enumerate(groups) for _ in range(a, b)),
+            release_window=policy.release_window,
+            **overrides,
+        )
+
+    def _bucket_tables(self, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """This layer's group column of the tables: floor f32[R], priority f32[R], retain bool[R]."""
+        if not self.floor:
+            r = num_roles()
+            return jnp.zeros(r), jnp.zeros(r), jnp.ones(r, bool)
+        g = self.layer_group[layer]
+        return (
+            jnp.asarray(self.floor)[:, g],
+            jnp.asarray(self.priority)[:, g],
+            jnp.asarray(self.retain)[:, g],
+        )
+
+    def layer_fractions(self, num_layers: int, budget: float) -> np.ndarray:
+        if not self.group_fractions:
+            return np.full(num_layers, budget)
+        if len(self.layer_group) != num_layers:
+            raise ValueError(f"PASK policy covers {len(self.layer_group)} layers, the model has {num_layers}")
+        return np.asarray([self.group_fractions[g] for g in self.layer_group])
+
+    def _score(self, priority: jax.Array, roles: jax.Array, protected: jax.Array, positions: jax.Array) -> jax.Array:
+        level = PROTECT_LEVEL * protected + jnp.round(PRIORITY_LEVELS * priority[roles])
+        return level * POSITION_RANGE + jnp.minimum(positions, POSITION_RANGE - 1)
+
+    def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
+        floor, priority, _ = self._bucket_tables(layer)
+        roles = jnp.where(ctx.positions < self.sinks, int(Role.SINK), ctx.roles)  # i32[B, T]
+        # Floors protect the most recent ceil(floor * n) entries of each (sequence, role): rank from the end.
+        onehot = (roles[..., None] == jnp.arange(num_roles())) & ctx.valid[..., None]  # [B, T, R]
+        later = jnp.flip(jnp.cumsum(jnp.flip(onehot, 1), 1), 1) - onehot  # same-role tokens after t
+        rank_from_end = jnp.take_along_axis(later, roles[..., None], -1)[..., 0]
+        count = jnp.take_along_axis(onehot.sum(1), roles, -1)  # [B, T]
+        protected = rank_from_end < jnp.ceil(floor[roles] * count)
+        score = jnp.where(ctx.positions < self.sinks, PROTECTED, self._score(priority, roles, protected, ctx.positions))
+        return jnp.broadcast_to(score[:, None].astype(jnp.float32), (score.shape[0], ctx.kv_heads, score.shape[1]))
+
+    def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
+        if self.rank == "recency":
+            return observed
+        if self.rank != "dapq":
+            raise ValueError(f"PASK rank must be 'recency' or 'dapq', not {self.rank!r}")
+        # Inside a level, order prompt entries by DapQ's pseudo-query attention (its rank replaces the position).
+        pseudo = DapQ().prefill_scores([None] * len(observed), ctx)
+        ranked = []
+        for score, d in zip(observed, pseudo, strict=True):
+            order = jnp.argsort(jnp.argsort(jnp.where(ctx.valid[:, None], d, -jnp.inf), axis=-1), axis=-1)
+            level = jnp.floor(score / POSITION_RANGE)
+            ranked.append(jnp.where(score >= PROTECTED, score, level * POSITION_RANGE + order))
+        return ranked
+
+    def new_token_score(self, layer: int, position: jax.Array, role: jax.Array, kv_heads: int) -> jax.Array:
+        floor, priority, _ = self._bucket_tables(layer)
+        score = self._score(priority, role, floor[role] >= 0.5, position).astype(jnp.float32)
+        return jnp.broadcast_to(score[:, None], (score.shape[0], kv_heads))
+
+    def eviction_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
+        _, _, retain = self._bucket_tables(layer)
+        released = (
+            (pos >= prompt_len[:, None, None]) & ~retain[role] & (pos < position[:, None, None] - self.release_window)
+        )
+        return jnp.where(released, pos.astype(jnp.float32), scores)

@@ -1,0 +1,80 @@
+"""SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469).
+
+Prefill: the observation window is the last `window` prompt tokens of each sequence (prompts are right-padded to
+different lengths, so the window is gathered per sequence from `ctx.lengths`). Their softmax attention over the prompt
+is summed over the window queries and the GQA group (one score per KV head, as the cache is shared by the group),
+then max-pooled along the keys with `kernel` (stride 1, same padding; positions outside the prefix count as -inf, as
+PyTorch's max_pool1d pads). The prefix entries with the highest pooled scores are kept; the window itself is always
+kept (PROTECTED; if the quota is smaller than the window, its newest tokens first). Only one layer's
+f32[B, K, G, window, T] block is materialised at a time.
+
+Hyper-parameters: `window` = 32 (observation window) and `kernel` = 7 (max-pool kernel), the SnapKV paper's values
+as issue 5 fixes them (the authors' code also offers average pooling; we use max, as the paper and issue 5).
+
+Decode rule (SnapKV only compresses the prompt; this keeps it under the running cap): every generated token enters;
+when a (layer, sequence, KV head) is over its cap, the lowest-scored prompt entry leaves (non-window entries by
+pooled score, then window entries oldest first); once no prompt entry is left, the oldest generated entry leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
+from pask_jax.models.qwen3 import attention_probs
+
+
+def window_scores(q: jax.Array, k: jax.Array, lengths: jax.Array, window: int, kernel: int) -> jax.Array:
+    """SnapKV's scores of one layer: q f[B, T, N, H], k f[B, T, K, H], lengths i32[B] -> f32[B, K, T].
+
+    Prefix entries get the pooled window attention (>= 0), window entries PROTECTED * (1 + small rank, newest
+    highest), padding 0.
+    """
+    t = q.shape[1]
+    qpos = lengths[:, None] - window + jnp.arange(window)  # i32[B, w] each sequence's window positions
+    q_win = jnp.take_along_axis(q, jnp.clip(qpos, 0, t - 1)[:, :, None, None], axis=1)  # [B, w, N, H]
+    keys = jnp.arange(t)
+    mask = (keys[None, None, :] <= qpos[:, :, None]) & (qpos[:, :, None] >= 0)  # causal; short prompts: fewer rows
+    summed = attention_probs(q_win, k, mask).sum(axis=(2, 3))  # [B, K, T] over the GQA group and the window
+    start = jnp.maximum(lengths - window, 0)[:, None, None]  # first window position
+    prefix = keys < start
+    pooled = jax.lax.reduce_window(
+        jnp.where(prefix, summed, -jnp.inf),
+        -jnp.inf,
+        jax.lax.max,
+        (1, 1, kernel),
+        (1, 1, 1),
+        ((0, 0), (0, 0), (kernel // 2, (kernel - 1) // 2)),
+    )
+    in_window = (keys >= start) & (keys < lengths[:, None, None])
+    protected = PROTECTED * (1.0 + 1e-3 * (keys - start + 1) / window)  # distinct in float32, newest highest
+    return jnp.where(in_window, protected, jnp.where(prefix, pooled, 0.0)).astype(jnp.float32)
+
+
+def prompt_first_priority(scores: jax.Array, pos: jax.Array, prompt_len: jax.Array) -> jax.Array:
+    """Decode rule of prefill-only methods: prompt entries leave first, lowest score first, then generated ones,
+    oldest first. Prompt scores (>= 0) map to -1/score < 0 (order kept, full float32 precision, PROTECTED last);
+    generated entries get their position (> 0)."""
+    generated = pos >= prompt_len[:, None, None]
+    return jnp.where(generated, pos.astype(jnp.float32), -1.0 / jnp.maximum(scores, 1e-30))
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKV(KVMethod):
+    name: ClassVar[str] = "snapkv"
+    window: int = 32  # observation window (last prompt tokens)
+    kernel: int = 7  # max-pool kernel along the keys
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.kernel < 1:
+            raise ValueError(f"SnapKV window={self.window} and kernel={self.kernel} must be >= 1")
+
+    def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
+        return window_scores(q, k, ctx.lengths, self.window, self.kernel)
+
+    def eviction_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
+        return prompt_first_priority(scores, pos, prompt_len)

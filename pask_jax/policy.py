@@ -1,0 +1,156 @@
+"""The compiled persistence policy: a small table over (role, layer group) buckets, one per target budget.
+
+Online, PASK only looks entries up in this table (no attention statistics on the decode hot path):
+- `floor[r, g]`: minimum fraction of bucket (r, g)'s entries kept (from task-error sensitivity);
+- `priority[r, g]` in [0, 1): order in which the remaining capacity is shared (from attention-output distortion);
+  the lowest-priority entries leave first;
+- `retain[r, g]`: RETAIN keeps a generated entry at its priority; RELEASE drops its priority once it is older than
+  `release_window` tokens, so it leaves first;
+- `group_fractions[g]`: the share of the full length layer group g keeps (layer-weighted mean == budget).
+
+Saved as an orbax checkpoint (the arrays) plus `policy.json` (a readable summary carrying the model name, layer count,
+group count, role taxonomy version and the calibration item ids). Loading a policy for another model, layer count or
+taxonomy is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from pask_jax.structure.roles import TAXONOMY_VERSION, num_roles, role_names
+
+POLICY_FORMAT = "pask-policy-v1"
+
+
+class PolicyError(ValueError):
+    """A policy that does not fit the model, taxonomy or budget asked for."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
+class PolicyTable:
+    budget: float
+    floor: np.ndarray  # f32[R, G]
+    priority: np.ndarray  # f32[R, G] in [0, 1)
+    retain: np.ndarray  # bool[R, G]
+    group_fractions: np.ndarray  # f32[G]
+
+    def validate(self, roles: int, groups: int) -> None:
+        for name, shape in (("floor", (roles, groups)), ("priority", (roles, groups)), ("retain", (roles, groups))):
+            if getattr(self, name).shape != shape:
+                raise PolicyError(f"policy {name} has shape {getattr(self, name).shape}, expected {shape}")
+        if self.group_fractions.shape != (groups,):
+            raise PolicyError(f"group_fractions has shape {self.group_fractions.shape}, expected ({groups},)")
+        if not ((self.floor >= 0) & (self.floor <= 1)).all() or not ((self.priority >= 0) & (self.priority < 1)).all():
+            raise PolicyError("floors must lie in [0, 1] and priorities in [0, 1)")
+        if not ((self.group_fractions > 0) & (self.group_fractions <= 1)).all():
+            raise PolicyError(f"group fractions must lie in (0, 1]: {self.group_fractions}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PersistencePolicy:
+    model: str
+    num_layers: int
+    groups: int
+    tables: tuple[PolicyTable, ...]  # one per budget
+    release_window: int = 8
+    taxonomy: str = TAXONOMY_VERSION
+    calibration_items: tuple[str, ...] = ()
+    notes: str = ""
+
+    def table(self, budget: float) -> PolicyTable:
+        for t in self.tables:
+            if abs(t.budget - budget) < 1e-9:
+                return t
+        raise PolicyError(f"no policy table for budget {budget}; compiled budgets: {[t.budget for t in self.tables]}")
+
+    def check_compatible(self, model: str, num_layers: int) -> None:
+        if self.taxonomy != TAXONOMY_VERSION:
+            raise PolicyError(f"policy uses role taxonomy {self.taxonomy!r}, this build uses {TAXONOMY_VERSION!r}")
+        if self.num_layers != num_layers or (model and self.model != model):
+            raise PolicyError(
+                f"policy was calibrated for {self.model!r} ({self.num_layers} layers), "
+                f"not for {model!r} ({num_layers} layers): calibrate one for this model"
+            )
+
+    def summary(self) -> dict:
+        names = role_names()
+        return {
+            "format": POLICY_FORMAT,
+            "model": self.model,
+            "num_layers": self.num_layers,
+            "groups": self.groups,
+            "taxonomy": self.taxonomy,
+            "release_window": self.release_window,
+            "calibration_items": list(self.calibration_items),
+            "notes": self.notes,
+            "tables": [
+                {
+                    "budget": t.budget,
+                    "group_fractions": [round(float(f), 4) for f in t.group_fractions],
+                    "buckets": {
+                        names[r]: {
+                            "floor": [round(float(x), 3) for x in t.floor[r]],
+                            "priority": [round(float(x), 3) for x in t.priority[r]],
+                            "action": ["RETAIN" if x else "RELEASE" for x in t.retain[r]],
+                        }
+                        for r in range(len(names))
+                    },
+                }
+                for t in self.tables
+            ],
+        }
+
+    def save(self, directory: str | Path) -> Path:
+        import orbax.checkpoint as ocp
+
+        directory = Path(directory).absolute()
+        directory.mkdir(parents=True, exist_ok=True)
+        arrays = {
+            f"b{i}": {f.name: np.asarray(getattr(t, f.name)) for f in dataclasses.fields(PolicyTable)}
+            for i, t in enumerate(self.tables)
+        }
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(directory / "tables", arrays, force=True)
+        (directory / "policy.json").write_text(json.dumps(self.summary(), indent=1) + "\n")
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> PersistencePolicy:
+        import orbax.checkpoint as ocp
+
+        directory = Path(directory).absolute()
+        meta_path = directory / "policy.json"
+        if not meta_path.exists():
+            raise PolicyError(f"{directory} holds no policy (no policy.json); create one with `pask-jax calibrate`")
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != POLICY_FORMAT:
+            raise PolicyError(f"{meta_path}: format {meta.get('format')!r}, expected {POLICY_FORMAT!r}")
+        with ocp.StandardCheckpointer() as ckpt:
+            arrays = ckpt.restore(directory / "tables")
+        tables = tuple(
+            PolicyTable(
+                budget=float(arrays[f"b{i}"]["budget"]),
+                floor=np.asarray(arrays[f"b{i}"]["floor"], np.float32),
+                priority=np.asarray(arrays[f"b{i}"]["priority"], np.float32),
+                retain=np.asarray(arrays[f"b{i}"]["retain"], bool),
+                group_fractions=np.asarray(arrays[f"b{i}"]["group_fractions"], np.float32),
+            )
+            for i in range(len(meta["tables"]))
+        )
+        policy = cls(
+            model=meta["model"],
+            num_layers=meta["num_layers"],
+            groups=meta["groups"],
+            tables=tables,
+            release_window=meta["release_window"],
+            taxonomy=meta["taxonomy"],
+            calibration_items=tuple(meta["calibration_items"]),
+            notes=meta.get("notes", ""),
+        )
+        for t in tables:
+            t.validate(num_roles(), policy.groups)
+        return policy

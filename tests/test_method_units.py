@@ -1,0 +1,233 @@
+"""Per-method unit tests on small hand-built cases: SnapKV, PyramidKV, DapQ, H2O."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pask_jax.engine import Engine
+from pask_jax.methods import H2O, METHODS, DapQ, FullKV, PyramidKV, SnapKV
+from pask_jax.methods.base import PROTECTED
+from pask_jax.methods.h2o import accumulated_attention, fold_recent_window
+from pask_jax.methods.pyramidkv import pyramid_fractions
+from pask_jax.methods.snapkv import prompt_first_priority, window_scores
+from pask_jax.models.qwen3 import ModelConfig, Qwen3
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def random_qk(b=2, t=12, n=4, kv=2, h=8, seed=0):
+    rq, rk = np.random.default_rng(seed).standard_normal((2, b, t, n * h)).astype(np.float32)
+    return rq.reshape(b, t, n, h), rk[..., : kv * h].reshape(b, t, kv, h)
+
+
+# ---- SnapKV ----
+
+
+def snapkv_numpy(q, k, lengths, window, kernel):
+    """Scores of the prefix entries (pooled window attention), per (sequence, KV head): dict -> f32[P - w]."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    g = n // kv
+    out = {}
+    for s in range(b):
+        p = int(lengths[s])
+        start = max(p - window, 0)
+        for head in range(kv):
+            summed = np.zeros(start)
+            for i in range(start, p):
+                for qh in range(head * g, (head + 1) * g):
+                    logits = k[s, : i + 1, head] @ q[s, i, qh] / np.sqrt(h)
+                    summed += softmax(logits)[:start]
+            pooled = np.array(
+                [summed[max(j - kernel // 2, 0) : j + kernel // 2 + 1].max() for j in range(start)], np.float32
+            )
+            out[s, head] = pooled
+    return out
+
+
+def test_snapkv_scores_and_pooling_match_numpy():
+    q, k = random_qk()
+    lengths = np.array([12, 9], np.int32)
+    window, kernel = 4, 3
+    got = np.asarray(window_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(lengths), window, kernel))
+    assert got.shape == (2, 2, 12)
+    for (s, head), want in snapkv_numpy(q, k, lengths, window, kernel).items():
+        p = lengths[s]
+        np.testing.assert_allclose(got[s, head, : p - window], want, rtol=1e-5, atol=1e-6)
+        win = got[s, head, p - window : p]
+        assert (win >= PROTECTED).all() and (np.diff(win) > 0).all(), "window kept, newest first"
+        assert (got[s, head, p:] == 0).all(), "padding"
+    # Through the method hook, with the same per-sequence window
+    ctx = SimpleNamespace(lengths=jnp.asarray(lengths))
+    hook = SnapKV(window=window, kernel=kernel).prefill_observe(0, jnp.asarray(q), jnp.asarray(k), ctx)
+    np.testing.assert_array_equal(np.asarray(hook), got)
+
+
+def test_snapkv_prompt_shorter_than_window_is_all_window():
+    q, k = random_qk()
+    got = np.asarray(window_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray([3, 12], jnp.int32), 32, 7))
+    assert (got[0, :, :3] >= PROTECTED).all() and (got[0, :, 3:] == 0).all()
+    assert (np.diff(got[1], axis=-1) > 0).all()
+
+
+def test_prefill_only_decode_rule():
+    """Prompt entries leave first (lowest score first, window last), then the oldest generated entry."""
+    scores = jnp.array([[[0.5, 2e-9, PROTECTED, PROTECTED * 1.001, 11.0, 12.0, 3.0]]], jnp.float32)
+    pos = jnp.array([[[0, 1, 2, 3, 11, 10, 4]]], jnp.int32)
+    prompt_len = jnp.array([10], jnp.int32)
+    order = np.argsort(np.asarray(prompt_first_priority(scores, pos, prompt_len))[0, 0])
+    assert order.tolist() == [1, 0, 6, 2, 3, 5, 4]
+
+
+# ---- PyramidKV ----
+
+
+def test_pyramid_fractions_follow_the_formula():
+    layers, budget, beta = 8, 0.3, 20.0
+    f = pyramid_fractions(layers, budget, beta)
+    total = budget * layers  # k_total in units of the full length
+    top = total / (beta * layers)
+    bottom = 2 * total / layers - top
+    assert f[-1] == pytest.approx(top) and f[0] == pytest.approx(bottom)
+    np.testing.assert_allclose(np.diff(f), (top - bottom) / (layers - 1))  # linear
+    assert f.mean() == pytest.approx(budget)
+    assert (np.diff(f) < 0).all() and (f > 0).all() and (f <= 1).all()
+    np.testing.assert_allclose(PyramidKV().layer_fractions(layers, budget), f)
+
+
+def test_pyramid_falls_back_to_uniform_when_infeasible():
+    beta = 20.0
+    edge = beta / (2 * beta - 1)  # layer 0 would need exactly the full length
+    assert pyramid_fractions(4, edge, beta)[0] == pytest.approx(1.0)
+    for budget in (edge + 1e-3, 0.6, 1.0):
+        np.testing.assert_array_equal(pyramid_fractions(4, budget, beta), np.full(4, budget))
+    np.testing.assert_array_equal(pyramid_fractions(1, 0.3, beta), [0.3])
+
+
+# ---- DapQ ----
+
+
+def fake_ctx(prompts, t=40, kv_heads=2, layers=3):
+    tokens = np.zeros((len(prompts), t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    calls = []
+
+    def extra_query_scores(extra_tokens, extra_positions):
+        calls.append((np.asarray(extra_tokens), np.asarray(extra_positions)))
+        return [jnp.full((len(prompts), kv_heads, t), float(layer)) for layer in range(layers)]
+
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    ctx = SimpleNamespace(tokens=jnp.asarray(tokens), lengths=lengths, kv_heads=kv_heads)
+    ctx.extra_query_scores = extra_query_scores
+    return ctx, calls
+
+
+def test_dapq_pseudo_queries_content_and_positions():
+    prompts = [list(range(100, 137)), list(range(10, 22))]  # P = 37 and 12
+    ctx, calls = fake_ctx(prompts)
+    scores = DapQ().prefill_scores([None] * 3, ctx)
+    assert [float(s[0, 0, 0]) for s in scores] == [0.0, 1.0, 2.0]  # the extra scores, layer by layer
+    [(tokens, positions)] = calls
+    for row, p in enumerate(prompts):
+        assert positions[row].tolist() == list(range(len(p), len(p) + 32))  # P .. P + N - 1
+        last = [p[max(j, 0)] for j in range(len(p) - 28, len(p))]  # short prompts: clipped to the first token
+        assert tokens[row].tolist() == p[:4] + last
+    ctx, calls = fake_ctx(prompts)
+    DapQ(num_pseudo=8, content="last", position_offset=5).prefill_scores([None] * 3, ctx)
+    [(tokens, positions)] = calls
+    assert positions[0].tolist() == list(range(42, 50)) and tokens[0].tolist() == prompts[0][-8:]
+    ctx, calls = fake_ctx(prompts)
+    DapQ(num_pseudo=8, content="random", seed=3).prefill_scores([None] * 3, ctx)
+    tokens, positions = calls[0]
+    assert all(t in prompts[row] for row in range(2) for t in tokens[row].tolist())
+    with pytest.raises(ValueError):
+        DapQ(content="middle")
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Qwen3:
+    return Qwen3(ModelConfig.tiny("qwen3", num_layers=2, vocab_size=128), rngs=nnx.Rngs(3))
+
+
+def test_dapq_pseudo_kv_never_reaches_the_cache(tiny_model: Qwen3):
+    lengths = np.array([13, 7], np.int32)
+    tokens = np.zeros((2, 16), np.int32)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = np.arange(5, 5 + n) * (i + 2) % 128
+    roles = np.zeros_like(tokens)
+    engine = Engine(tiny_model, method=DapQ(num_pseudo=6), budget=0.5, num_groups=1, length_buckets=(16,))
+    logits, caches, kept = engine.prefill(tokens, lengths, roles, engine.capacities(16, 64))
+    (cache,) = caches
+    pos, length, table = np.asarray(cache.pos), np.asarray(cache.length), np.asarray(cache.table)
+    for idx in np.ndindex(length.shape):
+        live = pos[idx][table[idx][: length[idx]]]
+        assert length[idx] == np.floor(0.5 * lengths[idx[1]])
+        assert (live >= 0).all() and (live < lengths[idx[1]]).all(), "only prompt positions are cached"
+    full = Engine(tiny_model, num_groups=1, length_buckets=(16,))
+    full_logits, _, _ = full.prefill(tokens, lengths, roles, full.capacities(16, 64))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full_logits), rtol=1e-5, atol=1e-5)
+
+
+# ---- H2O ----
+
+
+def test_h2o_accumulates_over_decode_steps():
+    rng = np.random.default_rng(1)
+    scores = rng.random((2, 2, 5)).astype(np.float32)
+    probs = [softmax(rng.standard_normal((2, 2, 3, 5))).astype(np.float32) for _ in range(2)]
+    method = H2O()
+    assert H2O.needs_decode_attention
+    got = scores
+    for p in probs:
+        got = method.update_scores(0, jnp.asarray(got), jnp.asarray(p))
+    np.testing.assert_allclose(np.asarray(got), scores + probs[0].sum(2) + probs[1].sum(2), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(method.new_token_score(0, jnp.array([7, 9]), jnp.zeros(2, int), 2)), 0)
+
+
+def test_h2o_prefill_is_column_sums_of_causal_attention():
+    q, k = random_qk(t=6, seed=2)
+    lengths = np.array([6, 4], np.int32)
+    positions = np.broadcast_to(np.arange(6), (2, 6))
+    ctx = SimpleNamespace(positions=jnp.asarray(positions), valid=jnp.asarray(positions < lengths[:, None]))
+    got = np.asarray(accumulated_attention(jnp.asarray(q), jnp.asarray(k), ctx))
+    for s in range(2):
+        for head in range(2):
+            want = np.zeros(6)
+            for i in range(lengths[s]):
+                for qh in (2 * head, 2 * head + 1):
+                    want[: i + 1] += softmax(k[s, : i + 1, head] @ q[s, i, qh] / np.sqrt(8))
+            np.testing.assert_allclose(got[s, head], want, rtol=1e-5, atol=1e-6)
+
+
+def test_h2o_prefill_keeps_half_recent_half_heavy():
+    p = 10
+    acc = jnp.asarray(np.arange(p, 0, -1, dtype=np.float32)[None, None])  # older tokens are heavier
+    ranked = fold_recent_window(acc, jnp.array([p]), 0.5)
+    for m in range(1, p // 2 + 1):
+        keep = set(np.asarray(jax.lax.top_k(ranked, 2 * m)[1])[0, 0].tolist())
+        assert keep == set(range(m)) | set(range(p - m, p)), m
+
+
+def test_h2o_decode_protects_the_recent_window():
+    pos = jnp.array([[[0, 1, 2, 3, 4, 5, 6, 7, 8, -1]]], jnp.int32)  # 9 live: 8 stay, the 4 most recent protected
+    scores = jnp.array([[[5.0, 0.1, 3.0, 2.0, 4.0, 0.0, 0.2, 0.3, 0.05, 0.0]]])
+    priority = np.asarray(H2O().eviction_priority(0, scores, pos, pos, jnp.array([8]), jnp.array([4])))[0, 0]
+    assert (priority[5:9] == PROTECTED).all()
+    assert int(np.argmin(np.where(np.asarray(pos)[0, 0] >= 0, priority, np.inf))) == 1
+
+
+def test_methods_are_registered_and_hashable():
+    for name in ("h2o", "snapkv", "pyramidkv", "dapq"):
+        assert METHODS[name]().name == name
+    for method in (H2O(), SnapKV(), PyramidKV(), DapQ(), FullKV()):
+        assert method == type(method)() and hash(method) == hash(type(method)())

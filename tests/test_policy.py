@@ -1,0 +1,115 @@
+"""Policy compiler and the online PASK method: budgets, floors, priorities, save/load, mismatches."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from calibration.policy import compile_policy, compile_table
+from pask_jax.engine import Engine
+from pask_jax.methods.pask import PaskKV
+from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.policy import PersistencePolicy, PolicyError
+from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
+
+R, G = num_roles(), 2
+LEVELS = (0.0, 0.25, 0.5, 0.75)
+
+
+def synthetic_stats(num_layers: int = 4) -> types.SimpleNamespace:
+    """USER_TEXT is fragile (any removal below 75% breaks the call), DESCRIPTION is harmless and cheap to drop."""
+    entries = np.zeros((R, G))
+    entries[[Role.TEMPLATE, Role.TOOL_NAME, Role.DESCRIPTION, Role.USER_TEXT, Role.SCHEMA_PUNCT]] = [
+        [20, 20], [5, 5], [60, 60], [15, 15], [40, 40]
+    ]
+    task_error = np.zeros((R, G, len(LEVELS)))
+    task_error[Role.USER_TEXT] = [[0.5, 0.4, 0.2, 0.0]] * G
+    task_error[Role.TOOL_NAME] = [[0.3, 0.0, 0.0, 0.0]] * G
+    distortion = np.full((R, G), 0.01)
+    distortion[Role.TOOL_NAME] = 0.5
+    distortion[Role.DESCRIPTION] = 0.001
+    return types.SimpleNamespace(
+        entries=entries,
+        task_error=task_error,
+        distortion_per_entry=distortion,
+        levels=LEVELS,
+        model="tiny-qwen3",
+        num_layers=num_layers,
+        groups=G,
+        taxonomy=TAXONOMY_VERSION,
+        item_ids=["simple_python_3", "multiple_7"],
+    )
+
+
+@pytest.mark.parametrize("budget", [0.2, 0.33, 0.5, 1.0])
+def test_table_obeys_budget_and_floors(budget: float):
+    stats = synthetic_stats()
+    table = compile_table(stats, budget)
+    table.validate(R, G)
+    assert table.group_fractions.mean() <= budget + 1e-6
+    assert table.floor[Role.USER_TEXT].tolist() == [0.75, 0.75]  # the smallest level within tolerance
+    assert table.floor[Role.TOOL_NAME].tolist() == [0.25, 0.25]
+    assert (table.floor[Role.DESCRIPTION] == 0).all()
+    floor_cost = (table.floor * stats.entries).sum(0)
+    assert (floor_cost <= table.group_fractions * stats.entries.sum(0) + 1e-6).all()
+    assert (table.priority[Role.TOOL_NAME] > table.priority[Role.DESCRIPTION]).all()
+
+
+def test_infeasible_floors_give_way_least_sensitive_first():
+    stats = synthetic_stats()
+    stats.task_error[Role.DESCRIPTION] = [[0.01, 0.01, 0.01, 0.5]] * G  # wants floor 1.0 but barely matters
+    stats.task_error[Role.DESCRIPTION, :, 0] = 0.05
+    table = compile_table(stats, 0.2)
+    assert table.floor[Role.USER_TEXT].tolist() == [0.75, 0.75]
+    assert (table.floor[Role.DESCRIPTION] < 1.0).all()
+    assert ((table.floor * stats.entries).sum(0) <= 0.2 * stats.entries.sum(0) + 1e-6).all()
+
+
+def test_ablation_switches():
+    stats = synthetic_stats()
+    assert (compile_table(stats, 0.33, use_floors=False).floor == 0).all()
+    uniform = compile_table(stats, 0.33, use_distortion=False)
+    assert (uniform.priority == 0).all() and uniform.floor[Role.USER_TEXT][0] == 0.75
+
+
+def test_save_load_and_mismatches(tmp_path: Path):
+    policy = compile_policy(synthetic_stats(), [0.2, 0.33])
+    policy.save(tmp_path / "p")
+    loaded = PersistencePolicy.load(tmp_path / "p")
+    assert loaded.model == "tiny-qwen3" and [t.budget for t in loaded.tables] == [0.2, 0.33]
+    np.testing.assert_array_equal(loaded.table(0.33).floor, policy.table(0.33).floor)
+    assert (tmp_path / "p" / "policy.json").read_text().count("RETAIN") > 0
+    loaded.check_compatible("tiny-qwen3", 4)
+    with pytest.raises(PolicyError, match="calibrated for 'tiny-qwen3'"):
+        loaded.check_compatible("qwen2.5-coder-0.5b", 24)
+    with pytest.raises(PolicyError, match="no policy table for budget 0.5"):
+        loaded.table(0.5)
+    with pytest.raises(PolicyError, match="no policy.json"):
+        PersistencePolicy.load(tmp_path)
+
+
+def test_floors_respected_online():
+    """After prefill, every (layer, head) keeps at least the floor of each prompt bucket."""
+    model = Qwen3(ModelConfig.tiny("qwen3", num_layers=4), rngs=nnx.Rngs(0))
+    policy = compile_policy(synthetic_stats(), [0.33])
+    engine = Engine(model, method=PaskKV.from_policy(policy, 0.33), budget=0.33, num_groups=G, length_buckets=(64,))
+    rng = np.random.default_rng(0)
+    length = 60
+    tokens = rng.integers(0, 256, (1, 64)).astype(np.int32)
+    roles = np.zeros((1, 64), np.int32)  # a role mix like the calibration's, so the floors are feasible
+    mix = [Role.TEMPLATE] * 10 + [Role.DESCRIPTION] * 30 + [Role.USER_TEXT] * 12 + [Role.TOOL_NAME] * 8
+    roles[0, :length] = rng.permutation(mix)
+    _, caches, _ = engine.prefill(tokens, np.array([length], np.int32), roles, engine.capacities(64, 64))
+    table = policy.table(0.33)
+    for g, cache in enumerate(caches):
+        pos, length_live, table_idx = np.asarray(cache.pos), np.asarray(cache.length), np.asarray(cache.table)
+        for layer, head in np.ndindex(pos.shape[0], pos.shape[2]):
+            live = pos[layer, 0, head][table_idx[layer, 0, head][: length_live[layer, 0, head]]]
+            for role in (Role.USER_TEXT, Role.TOOL_NAME):
+                n = int((roles[0, 1:length] == role).sum())  # position 0 is the sink
+                kept = int((roles[0, live[live > 0]] == role).sum())
+                assert kept >= np.ceil(table.floor[role, g] * n) - 1e-9, (g, role, kept, n)
