@@ -40,65 +40,82 @@ class EvalConfig:
     num_groups: int = 4
 
 
+def _item_result(item: dict, answer: dict, gen, tokenizer: Tokenizer) -> dict:
+    text = tokenizer.decode(gen.tokens)
+    valid, error_type, _ = bfcl.score_text(item, answer, text)
+    return {
+        "id": item["id"],
+        "text": text,
+        "valid": bool(valid),
+        "parsed": error_type != "ast_decoder:decoder_failed",
+        "error_type": error_type,
+        "kept_ratio_mean": gen.stats.kept_ratio_mean,
+        "kept_ratio_max": gen.stats.kept_ratio_max,
+        "prompt_tokens": gen.stats.prompt_tokens,
+        "generated_tokens": gen.stats.generated_tokens,
+        "finish_reason": gen.finish_reason,
+        "ttft_s": round(gen.stats.ttft_s, 3),
+        "decode_s": round(sum(gen.stats.token_times_s), 3),
+    }
+
+
+def _category_run(items: list[dict], parser_s: float, decode_s: float, steps: int) -> dict:
+    n = max(len(items), 1)
+    return {
+        "n": len(items),
+        "correct": sum(r["valid"] for r in items),
+        "accuracy": sum(r["valid"] for r in items) / n,
+        "parsed_fraction": sum(r["parsed"] for r in items) / n,
+        "kept_ratio_mean": float(np.mean([r["kept_ratio_mean"] for r in items])) if items else 1.0,
+        "kept_ratio_max": float(np.max([r["kept_ratio_max"] for r in items])) if items else 1.0,
+        "parser_seconds_per_step_fraction": parser_s / max(decode_s + parser_s, 1e-9),
+        "decode_steps": steps,
+        "items": items,
+    }
+
+
 def run_category(
-    engine: Engine, tokenizer: Tokenizer, category: str, cfg: EvalConfig, progress: tqdm | None = None
-) -> dict:
+    engines: dict[tuple[str, float], Engine],
+    tokenizer: Tokenizer,
+    category: str,
+    cfg: EvalConfig,
+    progress: tqdm | None = None,
+) -> list[dict]:
+    """One category through every engine; each batch's grammars and prompt roles are built once for all of them."""
     items = bfcl.evaluation_sample(category, cfg.offset, cfg.limit)
     answers = bfcl.load_answers(category)
     prompts = [tokenizer.encode(bfcl_prompt(item)) for item in items]
-    order = np.argsort([len(p) for p in prompts])  # similar lengths share a batch: less padding
-    results: list[dict | None] = [None] * len(items)
-    parser_s = step_s = 0.0
-    steps = 0
+    order = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths share a batch: less padding
+    results = {key: [None] * len(items) for key in engines}
+    timing = {key: [0.0, 0.0, 0, 0.0] for key in engines}  # parser s, decode s, steps, wall s
     for start in range(0, len(items), cfg.batch_size):
         idx = [int(i) for i in order[start : start + cfg.batch_size]]
         functions = [bfcl_python_functions(items[i]["function"]) for i in idx]
         grammars = [compile_grammar(f, tokenizer, framing=cfg.framing) for f in functions]
-        constraint = GrammarConstraint(grammars, engine.cfg.vocab_size)
         roles = [prompt_roles(bfcl_prompt(items[i]), tokenizer, functions[k]) for k, i in enumerate(idx)]
-        gens = engine.generate(
-            [prompts[i] for i in idx],
-            SamplingConfig(max_new_tokens=cfg.max_new_tokens),
-            prompt_roles=roles,
-            constraint=constraint,
-        )
-        parser_s += constraint.mask_s + constraint.advance_s
-        for k, i in enumerate(idx):
-            gen = gens[k]
-            text = tokenizer.decode(gen.tokens)
-            valid, error_type, _ = bfcl.score_text(items[i], answers[items[i]["id"]], text)
-            parsed = error_type != "ast_decoder:decoder_failed"
-            step_s += sum(gen.stats.token_times_s)
-            steps += len(gen.stats.token_times_s)
-            results[i] = {
-                "id": items[i]["id"],
-                "text": text,
-                "valid": bool(valid),
-                "parsed": parsed,
-                "error_type": error_type,
-                "kept_ratio_mean": gen.stats.kept_ratio_mean,
-                "kept_ratio_max": gen.stats.kept_ratio_max,
-                "prompt_tokens": gen.stats.prompt_tokens,
-                "generated_tokens": gen.stats.generated_tokens,
-                "finish_reason": gen.finish_reason,
-                "ttft_s": round(gen.stats.ttft_s, 3),
-                "decode_s": round(sum(gen.stats.token_times_s), 3),
-            }
-        if progress is not None:
-            progress.update(len(idx))
-    done = [r for r in results if r is not None]
-    return {
-        "category": category,
-        "n": len(done),
-        "correct": sum(r["valid"] for r in done),
-        "accuracy": sum(r["valid"] for r in done) / max(len(done), 1),
-        "parsed_fraction": sum(r["parsed"] for r in done) / max(len(done), 1),
-        "kept_ratio_mean": float(np.mean([r["kept_ratio_mean"] for r in done])) if done else 1.0,
-        "kept_ratio_max": float(np.max([r["kept_ratio_max"] for r in done])) if done else 1.0,
-        "parser_seconds_per_step_fraction": parser_s / max(step_s + parser_s, 1e-9),
-        "decode_steps": steps,
-        "items": done,
-    }
+        for key, engine in engines.items():
+            t0 = time.perf_counter()
+            constraint = GrammarConstraint(grammars, engine.cfg.vocab_size)
+            gens = engine.generate(
+                [prompts[i] for i in idx],
+                SamplingConfig(max_new_tokens=cfg.max_new_tokens),
+                prompt_roles=roles,
+                constraint=constraint,
+            )
+            t = timing[key]
+            t[0] += constraint.mask_s + constraint.advance_s
+            for k, i in enumerate(idx):
+                results[key][i] = _item_result(items[i], answers[items[i]["id"]], gens[k], tokenizer)
+                t[1] += sum(gens[k].stats.token_times_s)
+                t[2] += len(gens[k].stats.token_times_s)
+            t[3] += time.perf_counter() - t0
+            if progress is not None:
+                progress.update(len(idx))
+    return [
+        {"method": method, "budget": budget, "category": category, "wall_s": round(timing[(method, budget)][3], 1)}
+        | _category_run(results[(method, budget)], *timing[(method, budget)][:3])
+        for method, budget in engines
+    ]
 
 
 def run_bfcl(
@@ -110,34 +127,33 @@ def run_bfcl(
     method_config: dict[str, dict] | None = None,
     policy: PersistencePolicy | None = None,
 ) -> dict:
-    """Every (method, budget) over every category; `policy` is required for PASK (unless the uncalibrated ablation)."""
+    """Every (method, budget) over every category; `policy` is required for calibrated PASK."""
     unknown = sorted(set(cfg.methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
     if policy is not None:
         policy.check_compatible(model_name, model.config.num_layers)
     method_config = method_config or {}
-    runs, summary = [], []
-    total = sum(len(bfcl.evaluation_sample(c, cfg.offset, cfg.limit)) for c in cfg.categories)
+    engines = {}
     for method in cfg.methods:
-        for budget in cfg.budgets:
+        for budget in cfg.budgets if method != "full" else (1.0,):  # full KV ignores the budget: run it once
             use_policy = method == "pask" and policy is not None
-            engine = Engine(
+            engines[(method, budget)] = Engine(
                 model,
                 method=make_method(method, method_config.get(method), policy=policy, budget=budget),
                 budget=budget,
                 num_groups=policy.groups if use_policy else cfg.num_groups,
                 stop_token_ids=tokenizer.eos_token_ids,
             )
-            scores = {}
-            with tqdm(total=total, desc=f"{method}@{budget}", unit="item") as progress:
-                for category in cfg.categories:
-                    t0 = time.perf_counter()
-                    run = run_category(engine, tokenizer, category, cfg, progress)
-                    run |= {"method": method, "budget": budget, "wall_s": round(time.perf_counter() - t0, 1)}
-                    runs.append(run)
-                    scores[category] = (run["correct"], run["n"])
-            summary.append({"method": method, "budget": budget, **bfcl.summarize(scores)})
+    total = sum(len(bfcl.evaluation_sample(c, cfg.offset, cfg.limit)) for c in cfg.categories) * len(engines)
+    runs = []
+    with tqdm(total=total, desc="bfcl", unit="generation") as progress:
+        for category in cfg.categories:
+            runs += run_category(engines, tokenizer, category, cfg, progress)
+    summary = []
+    for method, budget in engines:
+        scores = {r["category"]: (r["correct"], r["n"]) for r in runs if (r["method"], r["budget"]) == (method, budget)}
+        summary.append({"method": method, "budget": budget, **bfcl.summarize(scores)})
     config = dataclasses.asdict(cfg) | {"method_config": method_config}
     if policy is not None:
         config["policy"] = {
