@@ -25,7 +25,27 @@ from pask_jax.methods import FullKV, KVMethod
 from pask_jax.methods.base import PrefillContext, budget_capacity
 from pask_jax.models.qwen3 import ModelConfig, Qwen3, attention, attention_probs
 
-DEFAULT_LENGTH_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# Prompt length buckets: steps of 1.5x keep padding under a third while bounding the number of compiles.
+DEFAULT_LENGTH_BUCKETS = (
+    64,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1024,
+    1536,
+    2048,
+    3072,
+    4096,
+    6144,
+    8192,
+    12288,
+    16384,
+    24576,
+    32768,
+)
 NEW_TOKEN_BUCKET = 64  # decode capacity grows in steps of this, so nearby max_new_tokens share a compile
 
 

@@ -4,8 +4,10 @@
 
 Both sides run the same GGUF (`qwen2.5-coder-0.5b` by default) in fp32, greedy, on the same BFCL Qwen FC prompts
 (the first B items of `simple_python`, tokenised with our tokenizer), with no stop token so that every request
-generates exactly N tokens. For each batch size each side gets one untimed warm-up call with the same shapes (its
-time, which for us includes the XLA compiles, is reported separately), then `--repeats` timed calls, the two sides
+generates exactly N tokens. For each batch size each side gets one untimed warm-up call with the same prompts and
+compiled shapes but only --warmup-tokens new tokens (our decode capacity is bucketed in steps of 64 new tokens, so
+the executables are the same; `compiled_variants` checks that the timed calls compile nothing; its time, which for us
+includes the XLA compiles, is reported separately), then `--repeats` timed calls, the two sides
 interleaved (ours, transformers, ours, ...) so that background load on a shared machine hits both alike; the median
 of the repeats is reported.
 
@@ -18,6 +20,9 @@ What is timed (both sides: the first output token comes from the prefill logits,
   stamps the wall clock each time generate hands it a step's logits. The first stamp minus the call start is the
   prefill (+ generate's set-up), the gaps between stamps are the decode steps (each: pick the token, update the
   DynamicCache, one forward). This is what a user of `generate` experiences, unlike a hand-written cache loop.
+
+At batch 1 a third side runs interleaved with the two: transformers with 1 torch thread (torch's OpenMP waits at
+every op for all its threads, which on a small machine shared with other jobs can dominate the step).
 
 prefill tok/s = real prompt tokens of the batch / ttft; decode tok/s = B * steps / sum of step times; TPOT (ms per
 output token per sequence) = sum of step times / steps. Ratios are ours / transformers (speedup > 1: ours faster).
@@ -32,8 +37,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -41,6 +48,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 import transformers
 from flax import nnx
@@ -87,6 +95,55 @@ class TorchProbe:
         return out
 
 
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array | np.ndarray) else x
+
+
+def decode_hlo_summary(probe: JaxProbe, batch: int) -> dict | None:
+    """Big data movement the compiled decode step does every step, read off its optimised HLO.
+
+    Transposes / copies whose source is a weight (`params[...]` in the op metadata) re-lay out that weight on every
+    step: extra weight-sized memory traffic on a step that is memory-bound. Other copies of >= 1e5 elements (e.g.
+    a cache that is not updated in place) are counted separately.
+    """
+    shapes = probe.captured.get(batch)
+    if shapes is None:
+        return None
+    t0 = time.perf_counter()
+    args, kwargs = jax.tree.map(_abstract, shapes)
+    out = hlo_copies(probe.inner.lower(*args, **kwargs).compile().as_text())
+    out["inspect_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def hlo_copies(text: str) -> dict:
+    """Weight re-layouts (transpose / copy ops whose source is `params[...]`) and other copies of >= 1e5 elements
+    in an optimised HLO module: counts and MB, with a few examples."""
+    itemsize = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
+    out: dict = {"weight_relayout": {}, "other_big_copies": {}, "examples": []}
+    pattern = re.compile(r"%[\w.\-]+ = (\w+)\[([\d,]*)\]\S* (transpose|copy)\(")
+    for line in text.splitlines():
+        m = pattern.search(line)
+        if not m:
+            continue
+        dtype, dims, op = m.groups()
+        n = math.prod(int(d) for d in dims.split(",") if d)
+        meta = re.search(r'op_name="([^"]*)"', line)
+        name = meta.group(1) if meta else ""
+        if "params[" in name and n >= 100_000:
+            kind = "weight_relayout"
+        elif op == "copy" and n >= 100_000:
+            kind = "other_big_copies"
+        else:
+            continue
+        entry = out[kind].setdefault(op, {"count": 0, "mb": 0.0})
+        entry["count"] += 1
+        entry["mb"] = round(entry["mb"] + n * itemsize.get(dtype, 4) / 2**20, 2)
+        if len(out["examples"]) < 3:
+            out["examples"].append(f"{op} {dtype}[{dims}] <- {name.replace(chr(92), '')}")
+    return out
+
+
 def _jitted(engine: Engine, name: str) -> tuple[object, object]:
     """(owner, attribute owner) of the engine's jitted `_prefill` / `_decode`: the instance or the engine module."""
     for owner in (engine, pask_jax.engine):
@@ -105,12 +162,17 @@ class JaxProbe:
 
     def __init__(self, engine: Engine) -> None:
         self.ms: list[float] = []
+        self.capture = 0  # when set to a batch size, the next call's arguments are kept under it (see `replay`)
+        self.captured: dict[int, tuple] = {}  # by padded batch
+        self._weights = {id(x) for x in jax.tree.leaves(engine.params)}
         owner, inner = _jitted(engine, "_decode")
-        self.found = owner is not None
+        self.found, self.inner = owner is not None, inner
         if not self.found:
             return
 
         def timed(*args, **kwargs):
+            if self.capture:
+                self.captured[self.capture], self.capture = self.fresh((args, kwargs)), 0
             t0 = time.perf_counter()
             out = jax.block_until_ready(inner(*args, **kwargs))
             self.ms.append(1e3 * (time.perf_counter() - t0))
@@ -122,6 +184,25 @@ class JaxProbe:
     def take(self) -> list[float]:
         out, self.ms = self.ms, []
         return out
+
+    def fresh(self, tree):
+        """A copy of a decode call's arguments: weights shared, everything else (the donated cache) copied."""
+        return jax.tree.map(lambda x: x if id(x) in self._weights or not isinstance(x, jax.Array) else x.copy(), tree)
+
+    def replay(self, batch: int):
+        """(setup, run) for timing the engine's real decode step on the captured arguments, or None."""
+        if batch not in self.captured:
+            return None
+        state = {}
+
+        def setup() -> None:
+            state["a"] = jax.block_until_ready(self.fresh(self.captured[batch]))
+
+        def run() -> None:
+            args, kwargs = state.pop("a")
+            jax.block_until_ready(self.inner(*args, **kwargs))
+
+        return setup, run
 
 
 # ---------------------------------------------------------------- transformers side
@@ -175,6 +256,16 @@ def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         ids[i, longest - len(p) :] = torch.tensor(p)
         mask[i, longest - len(p) :] = 1
     return ids, mask
+
+
+def run_transformers_threads(
+    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, probe: TorchProbe, threads: int, restore: int
+) -> dict:
+    torch.set_num_threads(threads)
+    try:
+        return run_transformers(model, prompts, new_tokens, probe)
+    finally:
+        torch.set_num_threads(restore)
 
 
 def run_transformers(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, probe: TorchProbe) -> dict:
@@ -237,7 +328,7 @@ def compile_counts(engine: Engine) -> dict[str, int]:
 # ---------------------------------------------------------------- summaries
 
 
-def summarise(runs: list[dict], batch: int, prompt_tokens: int, warmup_s: float) -> dict:
+def summarise(runs: list[dict], batch: int, prompt_tokens: int, warmup_s: float, warmup_steps: int) -> dict:
     ttft = statistics.median(r["ttft_s"] for r in runs)
     steps = len(runs[0]["step_s"])
     decode = statistics.median(sum(r["step_s"]) for r in runs)
@@ -257,6 +348,7 @@ def summarise(runs: list[dict], batch: int, prompt_tokens: int, warmup_s: float)
         "step_probe_ms_median": probes,
         "wall_s": round(statistics.median(r["wall_s"] for r in runs), 3),
         "warmup_s": round(warmup_s, 3),
+        "warmup_minus_run_s": round(warmup_s - ttft - (warmup_steps * decode / steps), 3),
         "repeats": len(runs),
         "per_repeat": [
             {"ttft_s": round(r["ttft_s"], 4), "decode_s": round(sum(r["step_s"]), 4), "wall_s": round(r["wall_s"], 3)}
@@ -272,24 +364,36 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
-def timeit(fn, reps: int) -> float:
-    """Median wall ms of fn() (fn must block until its result is ready); one untimed call first."""
-    fn()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(1e3 * (time.perf_counter() - t0))
-    return round(statistics.median(samples), 3)
+def time_round_robin(thunks: dict[str, tuple], reps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(median, min) wall ms of each (setup, run) pair's run(); one untimed round first, then `reps` rounds,
+    interleaved so that background load on a shared machine hits every piece alike (and its min, the least
+    disturbed run, is the better estimate of a piece's own cost). run() must block until its result is ready.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in thunks}
+    for r in range(reps + 1):
+        for name, (setup, run) in thunks.items():
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            run()
+            if r:
+                samples[name].append(1e3 * (time.perf_counter() - t0))
+    return (
+        {name: round(statistics.median(x), 2) for name, x in samples.items()},
+        {name: round(min(x), 2) for name, x in samples.items()},
+    )
 
 
-def pieces(model: pask_jax.Qwen3, hf: torch.nn.Module, batch: int, reps: int) -> dict:
-    """ms of the pieces of one decode step at `batch` (our padded batch), jitted alone, with no KV cache.
+def pieces(model: pask_jax.Qwen3, hf: torch.nn.Module, probe: JaxProbe, batch: int, reps: int) -> dict:
+    """ms of the pieces of one decode step at `batch` (our padded batch), each jitted alone, timed interleaved.
 
-    ours: the 24 layers at T=1 with attention to the token itself only (all the weight reads, no cache), the
-    same plus final norm + LM head + argmax, the LM head + argmax alone, the bare LM-head matmul, and the
-    packed-mask unpack + argmax over the vocabulary that every step applies. transformers: the bare LM-head
-    matmul. The gap between the decode call (probe) and "layers + head" is the cache: write, attend, bookkeeping.
+    ours: the engine's real decode step (replayed on the arguments captured during warm-up), the 24 layers at T=1
+    with attention to the token itself only (every weight read, no KV cache), the same with o_proj applied as a
+    flat [N*H, D] matmul (does avoiding the per-step o_proj weight re-layout, see decode_step_hlo, help?), the
+    layers + final norm + LM head + argmax, the LM head + argmax alone, the bare LM-head matmul, and the packed-mask
+    unpack + argmax over the vocabulary that every step applies. real step - (layers + head) = the KV cache's share
+    (write, attend over the pool, eviction bookkeeping). transformers: the bare LM-head matmul (torch threads as
+    set), the same on 1 thread.
     """
     from pask_jax.engine import sample, unpack_mask
 
@@ -303,6 +407,18 @@ def pieces(model: pask_jax.Qwen3, hf: torch.nn.Module, batch: int, reps: int) ->
     @jax.jit
     def layers(params, tok, positions):
         return nnx.merge(graphdef, params).forward(tok[:, None], positions[:, None], self_attend)
+
+    @jax.jit
+    def layers_flat_o_proj(params, tok, positions):
+        m = nnx.merge(graphdef, params)
+        x = m.embed(tok[:, None])
+        for layer in m.layers:
+            q, k, v = layer.attn.project(layer.input_norm(x), positions[:, None])
+            out = self_attend(0, q, k, v)
+            w = layer.attn.o_proj.kernel[...]
+            x = x + out.reshape(*out.shape[:2], -1) @ w.reshape(-1, w.shape[-1])
+            x = x + layer.mlp(layer.post_attn_norm(x))
+        return x
 
     @jax.jit
     def layers_head(params, tok, positions):
@@ -328,17 +444,48 @@ def pieces(model: pask_jax.Qwen3, hf: torch.nn.Module, batch: int, reps: int) ->
     w = jnp.asarray(w)
     bits = jnp.full((b, -(-cfg.vocab_size // 32)), -1, jnp.int32)
     logits = jnp.ones((b, cfg.vocab_size), jnp.float32)
-    ours = {
-        "layers_no_cache": timeit(lambda: jax.block_until_ready(layers(params, tok, pos)), reps),
-        "layers_no_cache_plus_head_argmax": timeit(lambda: jax.block_until_ready(layers_head(params, tok, pos)), reps),
-        "final_norm_head_argmax": timeit(lambda: jax.block_until_ready(head(params, h)), reps),
-        "head_matmul_only": timeit(lambda: jax.block_until_ready(head_matmul(w, h[:, 0])), reps),
-        "mask_unpack_argmax": timeit(lambda: jax.block_until_ready(mask_argmax(logits, bits)), reps),
+    hidden = torch.ones((batch, 1, cfg.hidden_size))
+    threads = torch.get_num_threads()
+
+    def torch_head(n: int):
+        def run() -> None:
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                hf.lm_head(hidden)
+            torch.set_num_threads(threads)
+
+        return None, run
+
+    def jitted(fn, *args):
+        return None, lambda: jax.block_until_ready(fn(*args))
+
+    thunks = {
+        "ours/layers_no_cache": jitted(layers, params, tok, pos),
+        "ours/layers_no_cache_flat_o_proj": jitted(layers_flat_o_proj, params, tok, pos),
+        "ours/layers_no_cache_plus_head_argmax": jitted(layers_head, params, tok, pos),
+        "ours/final_norm_head_argmax": jitted(head, params, h),
+        "ours/head_matmul_only": jitted(head_matmul, w, h[:, 0]),
+        "ours/mask_unpack_argmax": jitted(mask_argmax, logits, bits),
+        f"transformers/head_matmul_only_{threads}_threads": torch_head(threads),
+        "transformers/head_matmul_only_1_thread": torch_head(1),
     }
-    with torch.inference_mode():
-        hidden = torch.ones((batch, 1, cfg.hidden_size))
-        theirs = {"head_matmul_only": timeit(lambda: hf.lm_head(hidden), reps)}
-    return {"batch": batch, "our_padded_batch": b, "ours_ms": ours, "transformers_ms": theirs}
+    replay = probe.replay(b)
+    if replay is not None:
+        thunks = {"ours/decode_step_real": replay, **thunks}
+    ms, ms_min = time_round_robin(thunks, reps)
+    out = {"batch": batch, "our_padded_batch": b, "reps": reps, "ms_median": ms, "ms_min": ms_min}
+    if replay is not None:
+        out["ours_cache_share_ms_from_min"] = round(
+            ms_min["ours/decode_step_real"] - ms_min["ours/layers_no_cache_plus_head_argmax"], 2
+        )
+    out["ours_o_proj_relayout_cost_ms_from_min"] = round(
+        ms_min["ours/layers_no_cache"] - ms_min["ours/layers_no_cache_flat_o_proj"], 2
+    )
+    out["weight_relayouts"] = {
+        name: hlo_copies(fn.lower(params, tok, pos).compile().as_text())["weight_relayout"]
+        for name, fn in (("layers_no_cache", layers), ("layers_no_cache_flat_o_proj", layers_flat_o_proj))
+    }
+    return out
 
 
 # ---------------------------------------------------------------- main
@@ -391,6 +538,12 @@ def main() -> None:
     ap.add_argument("--category", default="simple_python", help="BFCL category whose first B items are the prompts")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    ap.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=4,
+        help="new tokens of the untimed warm-up call (<= 64 keeps the timed calls' compiled shapes)",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="timed calls per (side, batch); the median is reported")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 8 new tokens (a smoke test)")
@@ -399,13 +552,15 @@ def main() -> None:
         "--no-thread-check",
         dest="thread_check",
         action="store_false",
-        help="skip re-timing transformers at batch 1 with 1 torch thread (sensitivity to a shared machine)",
+        help="skip the third side at batch 1: transformers on 1 torch thread (sensitivity to a shared machine)",
     )
     ap.add_argument("--out", type=Path, default=Path("results/bench_decode.json"))
     args = ap.parse_args()
     if args.quick:
         args.batches, args.new_tokens = "1", 8
     batches = [int(b) for b in args.batches.split(",")]
+    # Warm-up: same prompts, batch and compiled shapes (the decode capacity is bucketed in 64 new tokens), fewer steps.
+    warmup_tokens = min(args.new_tokens, args.warmup_tokens)
     if args.repeats < 1 or args.new_tokens < 2 or min(batches) < 1:
         raise SystemExit("need --repeats >= 1, --new-tokens >= 2, batches >= 1")
     torch.set_num_threads(args.threads)
@@ -447,8 +602,9 @@ def main() -> None:
             ),
             "transformers_load": hf_how,
             "attn_implementation": getattr(hf.config, "_attn_implementation", None),
-            "timing": "one untimed warm-up call per (side, batch) with the same shapes, then repeats interleaved "
-            "ours/transformers; median over repeats",
+            "timing": f"one untimed warm-up call per (side, batch) with the same prompts and compiled shapes and "
+            f"{warmup_tokens} new tokens (warmup_s; warmup_minus_run_s = warm-up minus the same work timed warm, "
+            "i.e. ~compile time), then repeats interleaved ours/transformers; median over repeats",
             "rates": "prefill_tok_s = real prompt tokens / ttft; decode_tok_s = B * steps / sum(step times); "
             "tpot_ms = sum(step times) / steps",
         },
@@ -465,25 +621,37 @@ def main() -> None:
         print(f"batch {batch}: {prompt_tokens} prompt tokens (longest {longest}), warming up ...", flush=True)
 
         t0 = time.perf_counter()
-        run_ours(engine, batch_prompts, args.new_tokens, jax_probe)
+        jax_probe.capture = b_bucket
+        run_ours(engine, batch_prompts, warmup_tokens, jax_probe)
         warm_ours = time.perf_counter() - t0
         compiles_after_warmup = compile_counts(engine)
         t0 = time.perf_counter()
-        run_transformers(hf, batch_prompts, args.new_tokens, torch_probe)
+        run_transformers(hf, batch_prompts, warmup_tokens, torch_probe)
         warm_hf = time.perf_counter() - t0
+        # OpenMP (torch) splits each op statically over its threads and waits for all of them: on a 2-core machine
+        # that other jobs share, every op can wait for a descheduled thread. At batch 1 a third side, transformers
+        # on 1 thread, interleaved with the other two, shows how much of the comparison that is.
+        one_thread = args.thread_check and batch == 1 and args.threads != 1
+        if one_thread:
+            run_transformers_threads(hf, batch_prompts, warmup_tokens, torch_probe, 1, args.threads)
 
-        ours_runs, hf_runs = [], []
+        ours_runs, hf_runs, hf1_runs = [], [], []
         for r in range(args.repeats):
             ours_runs.append(run_ours(engine, batch_prompts, args.new_tokens, jax_probe))
             hf_runs.append(run_transformers(hf, batch_prompts, args.new_tokens, torch_probe))
-            print(
+            line = (
                 f"  repeat {r}: ours ttft {ours_runs[-1]['ttft_s']:.2f}s decode {sum(ours_runs[-1]['step_s']):.2f}s"
-                f" | transformers ttft {hf_runs[-1]['ttft_s']:.2f}s decode {sum(hf_runs[-1]['step_s']):.2f}s",
-                flush=True,
+                f" | transformers ttft {hf_runs[-1]['ttft_s']:.2f}s decode {sum(hf_runs[-1]['step_s']):.2f}s"
             )
+            if one_thread:
+                hf1_runs.append(
+                    run_transformers_threads(hf, batch_prompts, args.new_tokens, torch_probe, 1, args.threads)
+                )
+                line += f" | 1 thread ttft {hf1_runs[-1]['ttft_s']:.2f}s decode {sum(hf1_runs[-1]['step_s']):.2f}s"
+            print(line, flush=True)
         compiles_after_timed = compile_counts(engine)
 
-        ours = summarise(ours_runs, batch, prompt_tokens, warm_ours)
+        ours = summarise(ours_runs, batch, prompt_tokens, warm_ours, warmup_tokens - 1)
         ours["padding"] = {
             "length_bucket": t_bucket,
             "batch_bucket": b_bucket,
@@ -492,7 +660,7 @@ def main() -> None:
             "prefill_tok_s_padded": round(t_bucket * b_bucket / ours["ttft_s"], 2),
         }
         ours["compiled_variants"] = {"after_warmup": compiles_after_warmup, "after_timed": compiles_after_timed}
-        theirs = summarise(hf_runs, batch, prompt_tokens, warm_hf)
+        theirs = summarise(hf_runs, batch, prompt_tokens, warm_hf, warmup_tokens - 1)
         theirs["padding"] = {"left_padded_to": longest, "padded_prompt_tokens": longest * batch}
 
         our_tokens, hf_tokens = ours_runs[-1]["tokens"], hf_runs[-1]["tokens"]
@@ -513,6 +681,18 @@ def main() -> None:
                 "first_divergence": [first_divergence(a, b) for a, b in zip(our_tokens, hf_tokens, strict=True)],
             },
         }
+        if hf1_runs:
+            one = summarise(hf1_runs, batch, prompt_tokens, float("nan"), warmup_tokens - 1)
+            one.pop("warmup_s"), one.pop("warmup_minus_run_s")
+            entry["transformers_1_thread"] = one
+            entry["ours_over_transformers_1_thread"] = {
+                "prefill_speedup": round(ours["prefill_tok_s"] / one["prefill_tok_s"], 3),
+                "decode_speedup": round(ours["decode_tok_s"] / one["decode_tok_s"], 3),
+                "tpot_ratio": round(ours["tpot_ms"] / one["tpot_ms"], 3),
+            }
+            entry["same_greedy_tokens"]["transformers_1_thread_rows_identical"] = sum(
+                a == b for a, b in zip(our_tokens, hf1_runs[-1]["tokens"], strict=True)
+            )
         if batch == 1:
             result["sanity_batch1_first_prompt_identical"] = same[0]
             result["sanity_batch1_text"] = {
@@ -521,28 +701,15 @@ def main() -> None:
             }
         entry["loadavg_after"] = os.getloadavg()
         result["results"].append(entry)
-        print(json.dumps({k: entry[k] for k in ("batch", "ours_over_transformers", "same_greedy_tokens")}), flush=True)
+        keys = ("batch", "ours_over_transformers", "ours_over_transformers_1_thread", "same_greedy_tokens")
+        print(json.dumps({k: entry[k] for k in keys if k in entry}), flush=True)
 
-    if args.thread_check and 1 in batches:
-        # OpenMP (torch) splits each op statically over its threads and waits for all of them: on a 2-core machine
-        # that other jobs share, every op can wait for a descheduled thread. One thread shows how much that costs.
-        torch.set_num_threads(1)
-        run_transformers(hf, prompts[:1], args.new_tokens, torch_probe)
-        runs = [run_transformers(hf, prompts[:1], args.new_tokens, torch_probe) for _ in range(args.repeats)]
-        torch.set_num_threads(args.threads)
-        one = summarise(runs, 1, len(prompts[0]), 0.0)
-        ours = result["results"][0]["ours"]
-        result["transformers_1_thread_batch1"] = {
-            **{k: one[k] for k in ("prefill_tok_s", "decode_tok_s", "tpot_ms", "step_probe_ms_median", "repeats")},
-            "ours_over_transformers_1_thread": {
-                "prefill_speedup": round(ours["prefill_tok_s"] / one["prefill_tok_s"], 3),
-                "decode_speedup": round(ours["decode_tok_s"] / one["decode_tok_s"], 3),
-            },
-            "loadavg_after": os.getloadavg(),
-        }
-        print(json.dumps(result["transformers_1_thread_batch1"]), flush=True)
     if args.diagnose:
-        result["decode_step_pieces"] = [pieces(model, hf, b, 5 if args.quick else 10) for b in batches]
+        result["decode_step_pieces"] = [pieces(model, hf, jax_probe, b, 3 if args.quick else 5) for b in batches]
+        if jax_probe.found:
+            result["decode_step_hlo"] = {
+                str(b): decode_hlo_summary(jax_probe, 1 << (b - 1).bit_length()) for b in batches
+            }
     result["machine"]["loadavg_end"] = os.getloadavg()
     result["total_s"] = round(time.perf_counter() - t_start, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -124,7 +124,7 @@ def hf_key_table(cfg: ModelConfig) -> dict[str, tuple[str, Transform]]:
         "model.norm.weight": ("final_norm.scale", identity),
     }
     if not cfg.tie_embeddings:
-        table["lm_head.weight"] = ("lm_head.kernel", transpose)
+        table["lm_head.weight"] = ("lm_head.kernel", identity)  # kept [V, D]
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         table[f"{hf}.input_layernorm.weight"] = (f"{ours}.input_norm.scale", identity)

@@ -191,6 +191,15 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(h, cfg.rms_eps, dtype=dtype) if cfg.qk_norm else None
         self.rope_theta = cfg.rope_theta
 
+    def output(self, o: jax.Array) -> jax.Array:
+        """o_proj: f[B, T, N, H] -> f[B, T, D] as one [N*H, D] matmul (a free reshape of the (N, H, D) kernel).
+
+        Spelled as a 2-D dot because XLA:CPU re-lays out the 3-D kernel on every call of the "BTNH,NHD" einsum.
+        """
+        b, t, n, h = o.shape
+        kernel = self.o_proj.kernel[...]
+        return jnp.dot(o.reshape(b, t, n * h), kernel.reshape(n * h, kernel.shape[-1]))
+
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: f[B, T, D], positions: i32[B, T] -> q f[B, T, N, H], k f[B, T, K, H], v f[B, T, K, H]."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -229,7 +238,8 @@ class Qwen3(nnx.Module):
         self.lm_head = (
             None
             if cfg.tie_embeddings
-            else nnx.Einsum("BTD,DV->BTV", (cfg.hidden_size, cfg.vocab_size), param_dtype=dtype, rngs=rngs)
+            # [V, D] like the embedding (and torch's layout): the logits matmul is fastest this way round on CPU
+            else nnx.Einsum("BTD,VD->BTV", (cfg.vocab_size, cfg.hidden_size), param_dtype=dtype, rngs=rngs)
         )
 
     def logits(self, x: jax.Array) -> jax.Array:
@@ -250,7 +260,7 @@ class Qwen3(nnx.Module):
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.attn.project(layer.input_norm(x), positions)
-            x = x + layer.attn.o_proj(attend(i, q, k, v))
+            x = x + layer.attn.output(attend(i, q, k, v))
             x = x + layer.mlp(layer.post_attn_norm(x))
         return x
 
