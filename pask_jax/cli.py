@@ -1,4 +1,4 @@
-"""Command line: `pask-jax fetch-model`, `pask-jax demo`, `pask-jax bfcl`."""
+"""Command line: `pask-jax fetch-model`, `pask-jax demo`, `pask-jax bfcl`, `pask-jax calibrate`."""
 
 from __future__ import annotations
 
@@ -84,6 +84,33 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         print(f"wrote {out}", file=sys.stderr)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    """Calibration statistics on the BFCL calibration split (or `--stats` from an earlier run) -> compiled policy."""
+    from calibration.policy import compile_policy
+    from calibration.run import CalibrationStats, calibrate, calibration_items
+
+    budgets = [float(b) for b in args.budgets.split(",")]
+    if args.stats:
+        stats = CalibrationStats.load(args.stats)
+    else:
+        from pask_jax import load_model, load_tokenizer
+
+        model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+        stats = calibrate(
+            model,
+            tokenizer,
+            calibration_items(args.per_category),
+            groups=args.groups,
+            checkpoint_dir=args.checkpoint,
+        )
+        stats.save(f"{args.out}.stats.json")
+    policy = compile_policy(
+        stats, budgets, tolerance=args.tolerance, notes=f"pask-jax calibrate {' '.join(sys.argv[2:])}"
+    )
+    path = policy.save(args.out)
+    print(f"policy for {stats.model} ({stats.n_items} items, budgets {budgets}) -> {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pask-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
     p.add_argument("--out", help="write the full results JSON here")
     p.set_defaults(func=cmd_bfcl)
+    p = sub.add_parser("calibrate", help="calibrate PASK on the BFCL calibration split and compile a policy")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--budgets", default="0.2,0.33,0.5")
+    p.add_argument("--per-category", type=int, default=8, help="calibration items per BFCL category")
+    p.add_argument("--groups", type=int, default=4, help="layer groups")
+    p.add_argument("--tolerance", type=float, default=0.02, help="task-error increase a floor may allow")
+    p.add_argument("--checkpoint", help="orbax progress directory (rerun to resume)")
+    p.add_argument("--stats", help="compile from saved calibration statistics instead of calibrating")
+    p.add_argument("--out", required=True, help="policy directory, e.g. policies/qwen2.5-coder-0.5b")
+    p.set_defaults(func=cmd_calibrate)
     args = parser.parse_args(argv)
     try:
         args.func(args)

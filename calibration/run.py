@@ -1,0 +1,407 @@
+"""Calibration driver: BFCL calibration items -> gold calls with roles -> jitted passes -> `CalibrationStats`.
+
+Per item (see `passes.py` for what one pass computes): the prompt is prefilled once; then every variant (role r,
+layer group g, keep level lam) whose removal hides at least one entry is teacher-forced, in batches of `batch` rows
+sharded over a 1-D device mesh (axis "data"; parameters and the item replicated). Variants that hide nothing equal the
+baseline and count as 0 change. Sums over items are checkpointed with orbax every `save_every` items, so a rerun with
+the same `checkpoint_dir` continues where a preempted one stopped (and refuses a different model / G / levels).
+
+Multi-host (TPU pods): run the same command on every host with `PASK_DISTRIBUTED=1` (JAX detects Cloud TPU and SLURM
+clusters) or `JAX_COORDINATOR_ADDRESS=host:port JAX_NUM_PROCESSES=n JAX_PROCESS_ID=i`; `main` then calls
+`jax.distributed.initialize()` first (`init_distributed`). Every host prepares the same items; the mesh spans all
+devices of all hosts and only the variant rows are split over them; results are all-gathered to every host.
+
+Regenerate: ``python -m calibration.run --model qwen2.5-coder-0.5b --per-category 8 --checkpoint ckpt/calib --out
+stats.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from calibration.passes import NO_ROLE, ItemArrays, PassPlan, baseline_pass, removed_entries, variant_pass
+from pask_jax.bfcl import CATEGORIES, canonical_calls, is_calibration, load_answers, split_items
+from pask_jax.cache import layer_groups
+from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions, format_tool_call
+from pask_jax.models.qwen3 import Qwen3
+from pask_jax.structure.grammar import GrammarConstraint, compile_grammar
+from pask_jax.structure.prompt_roles import prompt_roles
+from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
+
+DEFAULT_LEVELS = (0.0, 0.25, 0.5, 0.75)
+GOLD_BUCKET = 16  # fed tokens padded to a multiple of this; prompts to a power of two (>= 64)
+SUMS = ("task_error", "task_error_strict", "nll_delta", "distortion", "distortion_per_entry", "entries", "present")
+
+
+@dataclasses.dataclass
+class Example:
+    """One item ready for the passes: token ids, roles and the grammar's mask before each gold token."""
+
+    id: str
+    prompt: np.ndarray  # i32[P]
+    prompt_roles: np.ndarray  # i32[P], position 0 = SINK
+    gold: np.ndarray  # i32[T]
+    gold_roles: np.ndarray  # i32[T]
+    allowed: np.ndarray  # i32[T, W] packed bits (token 32w + j: bit j of word w) the grammar allows before g_t
+    consistent: np.ndarray  # i32[T, W] packed bits: tokens whose text is a prefix of the gold text from g_t on
+
+
+def calibration_items(per_category: int = 8, categories: Sequence[str] = CATEGORIES) -> list[tuple[dict, dict]]:
+    """The first `per_category` calibration-split items of each category, in file order, with their answers."""
+    out = []
+    for category in categories:
+        answers = load_answers(category)
+        out += [(item, answers[item["id"]]) for item in split_items(category)[0][:per_category]]
+    return out
+
+
+def _schema_order(value, spec):
+    """Dict keys in the order the schema declares them (the grammar's order), recursively through objects / arrays."""
+    if isinstance(value, dict) and isinstance(spec, dict) and isinstance(spec.get("properties"), dict):
+        keys = list(spec["properties"])
+        ordered = sorted(value, key=lambda k: keys.index(k) if k in keys else len(keys))
+        return {k: _schema_order(value[k], spec["properties"].get(k)) for k in ordered}
+    if isinstance(value, list) and isinstance(spec, dict) and isinstance(spec.get("items"), dict):
+        return [_schema_order(v, spec["items"]) for v in value]
+    return value
+
+
+def gold_text(item: dict, answer: dict, ensure_ascii: bool = True) -> str:
+    """The canonical gold calls as the model emits them, then the end of turn (arguments in schema order).
+
+    ``format_tool_call`` writes non-ASCII as ``\\uXXXX`` (``json.dumps`` defaults, as BFCL's handler); the grammar
+    spells enum values in raw UTF-8, so `prepare_example` retries with ``ensure_ascii=False`` when it refuses a gold.
+    """
+    schemas = {f["name"]: f["parameters"] for f in item["function"]}
+    calls = []
+    for name, args in canonical_calls(answer, item["function"]):
+        args = _schema_order(args, schemas.get(name))
+        raw = f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args, ensure_ascii=False)}}}\n</tool_call>'
+        calls.append(format_tool_call(name, args) if ensure_ascii else raw)
+    return "\n".join(calls) + "<|im_end|>"
+
+
+def pack_bits(token_sets: Sequence[Sequence[int]], vocab_size: int) -> np.ndarray:
+    """Token-id sets -> packed bits i32[len(token_sets), ceil(vocab_size / 32)]."""
+    words = np.zeros((len(token_sets), -(-vocab_size // 32)), np.uint32)
+    for row, tokens in enumerate(token_sets):
+        tokens = np.asarray(list(tokens), np.int64)
+        np.bitwise_or.at(words[row], tokens >> 5, np.uint32(1) << (tokens & 31).astype(np.uint32))
+    return words.view(np.int32)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokens_by_bytes(tokenizer) -> tuple[dict[bytes, list[int]], int]:
+    index: dict[bytes, list[int]] = {}
+    for token, raw in enumerate(tokenizer.all_token_bytes()):
+        if raw:
+            index.setdefault(raw, []).append(token)
+    return index, max(map(len, index))
+
+
+def text_consistent(gold: Sequence[int], tokenizer, vocab_size: int) -> np.ndarray:
+    """i32[T, W] packed: before gold token t, the tokens whose bytes are a prefix of the gold text from t on."""
+    index, longest = _tokens_by_bytes(tokenizer)
+    pieces = [tokenizer.token_bytes(int(t)) for t in gold]
+    sets = []
+    for t in range(len(gold)):
+        rest = b"".join(pieces[t:])[:longest]
+        sets.append([tok for n in range(1, len(rest) + 1) for tok in index.get(rest[:n], ())])
+    return pack_bits(sets, vocab_size)
+
+
+def prepare_example(item: dict, answer: dict, tokenizer, vocab_size: int) -> Example:
+    """Tokenise prompt and gold, label prompt roles, walk the grammar over the gold (ValueError if it refuses it)."""
+    functions = bfcl_python_functions(item["function"])
+    prompt = bfcl_prompt(item)
+    ids = np.asarray(tokenizer.encode(prompt), np.int32)
+    roles = np.asarray(prompt_roles(prompt, tokenizer, functions), np.int32).copy()
+    roles[0] = Role.SINK
+    grammar = compile_grammar(functions, tokenizer, framing="tool_call")
+    for ensure_ascii in (True, False):
+        gold = np.asarray(tokenizer.encode(gold_text(item, answer, ensure_ascii)), np.int32)
+        constraint = GrammarConstraint([grammar], vocab_size)
+        allowed, gold_roles = [], []
+        try:
+            for token in gold:
+                allowed.append(constraint.mask()[0])
+                gold_roles.append(constraint.advance(np.array([token]))[0])
+            break
+        except ValueError:
+            if not ensure_ascii:
+                raise
+    consistent = text_consistent(gold, tokenizer, vocab_size)
+    return Example(item["id"], ids, roles, gold, np.asarray(gold_roles, np.int32), np.stack(allowed), consistent)
+
+
+def item_arrays(ex: Example) -> ItemArrays:
+    """Pad an example to its (Pb, Tb) bucket (numpy)."""
+    p, t = len(ex.prompt), len(ex.gold) - 1  # fed tokens: g_0..g_{T-2}
+    if t < 1:
+        raise ValueError(f"{ex.id}: a gold call needs at least 2 tokens")
+    pb, tb = max(64, 1 << (p - 1).bit_length()), -(-t // GOLD_BUCKET) * GOLD_BUCKET
+    pad = lambda a, n, fill=0: np.concatenate([a, np.full((n - len(a), *a.shape[1:]), fill, a.dtype)])  # noqa: E731
+    return ItemArrays(
+        prompt=pad(ex.prompt, pb),
+        prompt_len=np.int32(p),
+        fed=pad(ex.gold[:-1], tb),
+        fed_len=np.int32(t),
+        key_roles=np.concatenate([pad(ex.prompt_roles, pb, NO_ROLE), pad(ex.gold_roles[:-1], tb, NO_ROLE)]),
+        targets=pad(ex.gold, tb + 1),
+        allowed=pad(ex.allowed, tb + 1, -1),
+        consistent=pad(ex.consistent, tb + 1),
+    )
+
+
+@dataclasses.dataclass
+class CalibrationStats:
+    """Means over calibration items. Bucket arrays are [R, G] / [R, G, Λ]; a bucket absent from every item is 0
+    (see `present`). Changes are variant minus baseline of the same item, averaged over items where the bucket is
+    present; distortion is at keep level 0 (bucket removed), per entry = divided by the entries it hid."""
+
+    task_error: np.ndarray  # f64[R, G, Λ] increase in P(call wrong): greedy constrained decoding leaves the gold text
+    task_error_strict: np.ndarray  # f64[R, G, Λ] the same, token-exact and with the end-of-turn token
+    nll_delta: np.ndarray  # f64[R, G, Λ] increase in mean NLL of the gold tokens
+    distortion: np.ndarray  # f64[R, G] ||o - o_base|| / ||o_base|| over the group's layers and the fed queries
+    distortion_per_entry: np.ndarray  # f64[R, G]
+    entries: np.ndarray  # f64[R, G] mean entries (tokens) of role r per item (prompt + fed gold tokens)
+    present: np.ndarray  # i64[R, G] items where the role had entries
+    baseline_error: float
+    baseline_error_strict: float
+    baseline_nll: float
+    n_items: int
+    model: str
+    num_layers: int
+    groups: int
+    levels: tuple[float, ...]
+    taxonomy: str
+    item_ids: list[str]
+    skipped: dict[str, str]  # item id -> why it was not calibrated
+    wall_s: float
+
+    def to_json(self) -> str:
+        return json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in vars(self).items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> CalibrationStats:
+        d = json.loads(text)
+        arrays = {k: np.asarray(d[k], np.int64 if k == "present" else np.float64) for k in SUMS}
+        return cls(**(d | arrays | {"levels": tuple(d["levels"])}))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> CalibrationStats:
+        return cls.from_json(Path(path).read_text())
+
+
+def _put(tree, sharding: NamedSharding):
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    host = jax.tree.map(np.asarray, tree)
+    return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), host)
+
+
+def _get(tree):
+    return jax.tree.map(np.asarray, tree if jax.process_count() == 1 else multihost_utils.process_allgather(tree, True))
+
+
+def _calibrate_item(plan: PassPlan, params, ex: Example, levels, batch: int, mesh: Mesh, sums: dict) -> None:
+    """Run one example's passes and add its contributions to `sums` (in place)."""
+    r_all, n_lv = num_roles(), len(levels)
+    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    arrays = _put(item_arrays(ex), replicated)
+    keys = np.concatenate([ex.prompt_roles, ex.gold_roles[:-1]])
+    entries = np.bincount(keys, minlength=r_all)[:r_all].astype(np.float64)
+    base = baseline_pass(plan, params, arrays)  # replicated like its inputs
+    b = _get({k: base[k] for k in ("error", "error_strict", "nll", "out_sq")})
+    grid_r, grid_l = np.repeat(np.arange(r_all), n_lv), np.tile(np.asarray(levels, np.float32), r_all)
+    removed = _get(removed_entries(arrays, _put(grid_r.astype(np.int32), replicated), _put(grid_l, replicated)))
+    removed = removed.reshape(r_all, n_lv)
+    todo = [(r, g, li) for r, li in zip(*np.nonzero(removed), strict=True) for g in range(len(plan.groups))]
+    feed = {k: base[k] for k in ("prompt_k", "prompt_v", "first_logits", "outs")}
+    for start in range(0, len(todo), batch):
+        chunk = todo[start : start + batch]
+        spec = np.array(chunk + [(NO_ROLE, 0, 0)] * (batch - len(chunk)))  # padding rows remove nothing
+        role, group, level = spec[:, 0].astype(np.int32), spec[:, 1].astype(np.int32), np.asarray(levels)[spec[:, 2]]
+        out = _get(variant_pass(plan, params, arrays, feed, *(_put(a, rows) for a in (role, group, level))))
+        for i, (r, g, li) in enumerate(chunk):
+            sums["task_error"][r, g, li] += float(out["error"][i]) - float(b["error"])
+            sums["task_error_strict"][r, g, li] += float(out["error_strict"][i]) - float(b["error_strict"])
+            sums["nll_delta"][r, g, li] += float(out["nll"][i]) - float(b["nll"])
+            if levels[li] == 0.0:
+                a, z = plan.groups[g]
+                d = math.sqrt(out["diff_sq"][i, a:z].sum() / max(b["out_sq"][a:z].sum(), 1e-30))
+                sums["distortion"][r, g] += d
+                sums["distortion_per_entry"][r, g] += d / removed[r, li]
+    sums["entries"] += entries[:, None]
+    sums["present"] += (entries > 0)[:, None]
+    sums["baseline"] += [float(b["error"]), float(b["error_strict"]), float(b["nll"]), 1.0]
+
+
+def _checkpoint(directory: str | Path | None, config: dict, state: dict) -> Callable[[], None]:
+    """Restore `state` (sums, done, skipped, wall_s) from the latest orbax checkpoint in place; return its saver."""
+    if directory is None:
+        return lambda: None
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)
+    manager = ocp.CheckpointManager(Path(directory).absolute(), options=options, item_names=("sums", "meta"))
+    if manager.latest_step() is not None:
+        args = ocp.args.Composite(sums=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
+        restored = manager.restore(manager.latest_step(), args=args)
+        if restored["meta"]["config"] != config:
+            raise ValueError(f"checkpoint {directory} is for {restored['meta']['config']}, not {config}")
+        state |= restored["meta"] | {"sums": {k: np.asarray(v, np.float64) for k, v in restored["sums"].items()}}
+
+    def save() -> None:
+        meta = {k: state[k] for k in ("config", "done", "skipped", "wall_s")}
+        args = ocp.args.Composite(sums=ocp.args.StandardSave(state["sums"]), meta=ocp.args.JsonSave(meta))
+        manager.save(len(state["done"]) + len(state["skipped"]), args=args, force=True)
+        manager.wait_until_finished()
+
+    return save
+
+
+def calibrate_examples(
+    model: Qwen3,
+    examples: Sequence[tuple[str, Callable[[], Example]]],  # (item id, builds the example; may raise ValueError)
+    *,
+    groups: int = 4,
+    levels: Sequence[float] = DEFAULT_LEVELS,
+    checkpoint_dir: str | Path | None = None,
+    max_items: int | None = None,  # calibrate only the first max_items examples (a later run may continue)
+    batch: int = 32,  # variant rows per pass (rounded up to a multiple of the device count)
+    save_every: int = 4,
+    progress: bool = True,
+) -> CalibrationStats:
+    """The calibration loop over prepared examples (`calibrate` builds them from BFCL items)."""
+    if 0.0 not in levels:
+        raise ValueError(f"levels={levels} must include 0.0 (bucket removed: distortion is measured there)")
+    cfg, levels = model.config, tuple(float(x) for x in levels)
+    graphdef, params = nnx.split(model)
+    plan = PassPlan(graphdef, layer_groups(cfg.num_layers, groups))
+    mesh = Mesh(np.asarray(jax.devices()), ("data",))
+    params = _put(params, NamedSharding(mesh, P()))
+    batch = -(-batch // mesh.size) * mesh.size
+    config = dict(
+        model=cfg.name, num_layers=cfg.num_layers, groups=groups, levels=list(levels), taxonomy=TAXONOMY_VERSION
+    )
+    shape = (num_roles(), groups)
+    sums = {k: np.zeros(shape + ((len(levels),) if k.startswith(("task", "nll")) else ()), np.float64) for k in SUMS}
+    state = {"config": config, "done": [], "skipped": {}, "wall_s": 0.0, "sums": sums | {"baseline": np.zeros(4)}}
+    save = _checkpoint(checkpoint_dir, config, state)
+
+    todo = [
+        (i, build) for i, build in list(examples)[:max_items] if i not in state["done"] and i not in state["skipped"]
+    ]
+    bar = tqdm(total=len(list(examples)[:max_items]), disable=not progress or jax.process_index() > 0)
+    bar.update(bar.total - len(todo))
+    for n, (item_id, build) in enumerate(todo, 1):
+        start = time.perf_counter()
+        try:
+            ex = build()
+        except ValueError as exc:  # e.g. the grammar refuses the rendered gold
+            state["skipped"][item_id] = str(exc)[:300]
+        else:
+            _calibrate_item(plan, params, ex, levels, batch, mesh, state["sums"])
+            state["done"].append(item_id)
+        state["wall_s"] += time.perf_counter() - start
+        bar.update()
+        if n % save_every == 0 or n == len(todo):
+            save()
+    bar.close()
+
+    sums = state["sums"]
+    n = max(sums["baseline"][3], 1.0)
+    present = np.maximum(sums["present"], 1)
+    means = {k: sums[k] / (present[..., None] if sums[k].ndim == 3 else present) for k in SUMS[:5]}
+    return CalibrationStats(
+        **means,
+        entries=sums["entries"] / n,
+        present=sums["present"].astype(np.int64),
+        baseline_error=sums["baseline"][0] / n,
+        baseline_error_strict=sums["baseline"][1] / n,
+        baseline_nll=sums["baseline"][2] / n,
+        n_items=int(sums["baseline"][3]),
+        **{k: v for k, v in config.items() if k != "levels"},
+        levels=levels,
+        item_ids=list(state["done"]),
+        skipped=dict(state["skipped"]),
+        wall_s=state["wall_s"],
+    )
+
+
+def calibrate(model: Qwen3, tokenizer, items_with_answers: Sequence[tuple[dict, dict]], **options) -> CalibrationStats:
+    """Calibrate on BFCL (item, answer) pairs from the calibration split (`calibration_items`; an evaluation item is
+    refused). Options as `calibrate_examples`: groups=4, levels=DEFAULT_LEVELS, checkpoint_dir=None, max_items=None,
+    batch=32, save_every=4, progress=True."""
+    leaked = [it["id"] for it, _ in items_with_answers if not is_calibration(it["id"])]
+    if leaked:
+        raise ValueError(f"evaluation items must never be calibrated on: {leaked[:5]}")
+    vocab = model.config.vocab_size
+    examples = [(it["id"], lambda it=it, a=a: prepare_example(it, a, tokenizer, vocab)) for it, a in items_with_answers]
+    return calibrate_examples(model, examples, **options)
+
+
+def init_distributed() -> bool:
+    """Multi-process runs call `jax.distributed.initialize()` before any JAX op, when the environment asks for it:
+    `JAX_COORDINATOR_ADDRESS` (plus `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) or `PASK_DISTRIBUTED=1` (Cloud TPU pods
+    and SLURM, where JAX detects the cluster itself)."""
+    env = os.environ
+    if not env.get("JAX_COORDINATOR_ADDRESS") and env.get("PASK_DISTRIBUTED") != "1":
+        return False
+    count, index = env.get("JAX_NUM_PROCESSES"), env.get("JAX_PROCESS_ID")
+    jax.distributed.initialize(
+        env.get("JAX_COORDINATOR_ADDRESS"),
+        num_processes=None if count is None else int(count),
+        process_id=None if index is None else int(index),
+    )
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    init_distributed()
+    p = argparse.ArgumentParser(description="PASK calibration statistics on the BFCL calibration split")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--per-category", type=int, default=8)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--max-items", type=int)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--checkpoint")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    from pask_jax import load_model, load_tokenizer
+
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    stats = calibrate(
+        model,
+        tokenizer,
+        calibration_items(args.per_category),
+        groups=args.groups,
+        checkpoint_dir=args.checkpoint,
+        max_items=args.max_items,
+        batch=args.batch,
+    )
+    stats.save(args.out)
+    print(f"{stats.n_items} items in {stats.wall_s:.1f} s ({stats.wall_s / max(stats.n_items, 1):.1f} s/item)")
+
+
+if __name__ == "__main__":
+    main()
