@@ -7,17 +7,17 @@ baseline and count as 0 change. Sums over items are checkpointed with orbax ever
 the same `checkpoint_dir` continues where a preempted one stopped (and refuses a different model / G / levels).
 
 Multi-host (TPU pods): run the same command on every host with `PASK_DISTRIBUTED=1` (JAX detects Cloud TPU and SLURM
-clusters) or `JAX_COORDINATOR_ADDRESS=host:port JAX_NUM_PROCESSES=n JAX_PROCESS_ID=i`; `main` then calls
-`jax.distributed.initialize()` first (`init_distributed`). Every host prepares the same items; the mesh spans all
-devices of all hosts and only the variant rows are split over them; results are all-gathered to every host.
+clusters) or `JAX_COORDINATOR_ADDRESS=host:port JAX_NUM_PROCESSES=n JAX_PROCESS_ID=i`; the command then calls
+`jax.distributed.initialize()` first (`init_distributed`, called by `pask-jax calibrate`). Every host prepares the
+same items; the mesh spans all devices of all hosts and only the variant rows are split over them; results are
+all-gathered to every host.
 
-Regenerate: ``python -m calibration.run --model qwen2.5-coder-0.5b --per-category 8 --checkpoint ckpt/calib --out
-stats.json``.
+Run: ``pask-jax calibrate --model qwen2.5-coder-0.5b --per-category 8 --checkpoint ckpt/calib
+--out policies/qwen2.5-coder-0.5b`` (statistics saved beside the policy as ``<out>.stats.json``).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -374,34 +374,3 @@ def init_distributed() -> bool:
         process_id=None if index is None else int(index),
     )
     return True
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    init_distributed()
-    p = argparse.ArgumentParser(description="PASK calibration statistics on the BFCL calibration split")
-    p.add_argument("--model", default="qwen2.5-coder-0.5b")
-    p.add_argument("--per-category", type=int, default=8)
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--max-items", type=int)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--checkpoint")
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    from pask_jax import load_model, load_tokenizer
-
-    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
-    stats = calibrate(
-        model,
-        tokenizer,
-        calibration_items(args.per_category),
-        groups=args.groups,
-        checkpoint_dir=args.checkpoint,
-        max_items=args.max_items,
-        batch=args.batch,
-    )
-    stats.save(args.out)
-    print(f"{stats.n_items} items in {stats.wall_s:.1f} s ({stats.wall_s / max(stats.n_items, 1):.1f} s/item)")
-
-
-if __name__ == "__main__":
-    main()

@@ -87,8 +87,9 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> None:
     """Calibration statistics on the BFCL calibration split (or `--stats` from an earlier run) -> compiled policy."""
     from calibration.policy import compile_policy
-    from calibration.run import CalibrationStats, calibrate, calibration_items
+    from calibration.run import CalibrationStats, calibrate, calibration_items, init_distributed
 
+    init_distributed()  # multi-host pods: env-driven, a no-op on one machine
     budgets = [float(b) for b in args.budgets.split(",")]
     if args.stats:
         stats = CalibrationStats.load(args.stats)

@@ -17,18 +17,9 @@ from collections.abc import Callable
 
 import pytest
 
+from pask_jax.bfcl import CATEGORIES
 from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions, format_tool_call, format_tool_prompt
 
-CATEGORIES = (
-    "simple_python",
-    "multiple",
-    "parallel",
-    "parallel_multiple",
-    "live_simple",
-    "live_multiple",
-    "live_parallel",
-    "live_parallel_multiple",
-)
 needs_bfcl = pytest.mark.skipif(importlib.util.find_spec("bfcl_eval") is None, reason="bfcl-eval is not installed")
 
 SIMPLE_PYTHON_0 = {
