@@ -20,6 +20,9 @@ venv: $(STAMP)
 demo: venv
 	$(VENV)/bin/pask-jax fetch-model qwen2.5-coder-0.5b
 	$(VENV)/bin/pask-jax demo --model qwen2.5-coder-0.5b -n 3
+	# the main job on a short sample: grammar-constrained BFCL, full KV vs a compressed baseline
+	$(VENV)/bin/pask-jax bfcl --model qwen2.5-coder-0.5b --methods full,snapkv --budget 0.33 --categories all \
+		--limit 2 --max-new-tokens 96 --out results/demo_bfcl.json
 
 test: venv
 	$(VENV)/bin/ruff check pask_jax calibration tests scripts
