@@ -113,3 +113,18 @@ def test_floors_respected_online():
                 n = int((roles[0, 1:length] == role).sum())  # position 0 is the sink
                 kept = int((roles[0, live[live > 0]] == role).sum())
                 assert kept >= np.ceil(table.floor[role, g] * n) - 1e-9, (g, role, kept, n)
+
+
+def test_shipped_policy_loads_and_obeys_its_budgets():
+    path = Path(__file__).parents[1] / "policies" / "qwen2.5-coder-0.5b"
+    policy = PersistencePolicy.load(path)
+    policy.check_compatible("qwen2.5-coder-0.5b", 24)
+    assert policy.groups == 4 and policy.calibration_items
+    from pask_jax.bfcl import is_calibration
+
+    assert all(is_calibration(i) for i in policy.calibration_items)  # never an evaluation item
+    for table in policy.tables:
+        table.validate(R, policy.groups)
+        assert table.group_fractions.mean() <= table.budget + 1e-6  # equal groups: 6 layers each
+        method = PaskKV.from_policy(policy, table.budget)
+        assert np.isclose(method.layer_fractions(24, table.budget).mean(), table.group_fractions.mean())
