@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pask_jax.cache import layer_groups
 from pask_jax.policy import PersistencePolicy, PolicyTable
 
 MIN_GROUP_FRACTION = 0.02  # no group is starved of all its entries
@@ -94,8 +95,6 @@ def compile_policy(
     stats, budgets: list[float], *, release_window: int = 8, notes: str = "", **options
 ) -> PersistencePolicy:
     """A policy over several budgets, carrying the calibration's model, layer count, groups and item ids."""
-    from pask_jax.cache import layer_groups
-
     group_layers = np.asarray([b - a for a, b in layer_groups(stats.num_layers, stats.groups)])
     return PersistencePolicy(
         model=stats.model,

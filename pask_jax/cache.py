@@ -37,14 +37,21 @@ def layer_groups(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...
     return tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax over the last axis where `mask` (broadcastable) is True; fully masked rows give zeros, never NaN.
+
+    A finite fill (not -inf) keeps a fully masked row finite before it is zeroed.
+    """
+    return jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1), 0.0)
+
+
 def pool_attention_probs(
     q: jax.Array,  # f[B, K, G, H]
     k: jax.Array,  # f[B, K, C, H]
     live: jax.Array,  # bool[B, K, C]
 ) -> jax.Array:  # f32[B, K, G, C], zeros on free slots
     logits = jnp.einsum("BKGH,BKCH->BKGC", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
-    mask = live[:, :, None]
-    return jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1), 0.0)
+    return masked_softmax(logits, live[:, :, None])
 
 
 def pool_attention(

@@ -84,7 +84,8 @@ def run_category(
     """One category through every engine; each batch's grammars and prompt roles are built once for all of them."""
     items = bfcl.evaluation_sample(category, cfg.offset, cfg.limit)
     answers = bfcl.load_answers(category)
-    prompts = [tokenizer.encode(bfcl_prompt(item)) for item in items]
+    texts = [bfcl_prompt(item) for item in items]
+    prompts = [tokenizer.encode(text) for text in texts]
     order = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths share a batch: less padding
     results = {key: [None] * len(items) for key in engines}
     timing = {key: [0.0, 0.0, 0, 0.0] for key in engines}  # parser s, decode s, steps, wall s
@@ -92,7 +93,7 @@ def run_category(
         idx = [int(i) for i in order[start : start + cfg.batch_size]]
         functions = [bfcl_python_functions(items[i]["function"]) for i in idx]
         grammars = [compile_grammar(f, tokenizer, framing=cfg.framing) for f in functions]
-        roles = [prompt_roles(bfcl_prompt(items[i]), tokenizer, functions[k]) for k, i in enumerate(idx)]
+        roles = [prompt_roles(texts[i], tokenizer, functions[k]) for k, i in enumerate(idx)]
         for key, engine in engines.items():
             t0 = time.perf_counter()
             constraint = GrammarConstraint(grammars, engine.cfg.vocab_size)

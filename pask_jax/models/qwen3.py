@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pask_jax.cache import masked_softmax
+
 # attend(layer_index, q f[B, T, N, H], k f[B, T, K, H], v f[B, T, K, H]) -> f[B, T, N, H]
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -162,9 +164,7 @@ def attention_probs(
     kv_heads = k.shape[2]
     qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) / math.sqrt(h)
-    visible = mask[:, None, None]  # [B, 1, 1, T, S]
-    # A finite fill (not -inf) so that a fully masked row (padding) softmaxes to finite values we then zero.
-    return jnp.where(visible, jax.nn.softmax(jnp.where(visible, logits, -1e30), axis=-1), 0.0)
+    return masked_softmax(logits, mask[:, None, None])  # mask as [B, 1, 1, T, S]
 
 
 def attention(
