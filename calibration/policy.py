@@ -10,11 +10,15 @@
 3. The online method sees the result as a per-group kept fraction and a priority order inside each group (higher
    distortion per entry is kept longer); buckets keeping >= half their entries RETAIN, the others RELEASE.
 
-Ablation switches: `use_floors=False` (no floors), `use_distortion=False` (floors + uniform shares),
-`single_group=True` (statistics pooled over groups: one layer group).
+Ablations (`compile_policy(..., ablation=...)`, `pask-jax calibrate --ablation`): `no_floors`; `no_distortion`
+(floors + uniform shares); `one_role` (structure off: statistics pooled over roles, so every role of a group gets
+the same floor and priority); `one_group` (statistics pooled over layer groups: one policy for all layers). Pooling
+is an entries-weighted mean; the cache keeps its layer groups, only the policy loses the distinction.
 """
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 
@@ -22,6 +26,23 @@ from pask_jax.cache import layer_groups
 from pask_jax.policy import PersistencePolicy, PolicyTable
 
 MIN_GROUP_FRACTION = 0.02  # no group is starved of all its entries
+ABLATIONS = ("none", "no_floors", "no_distortion", "one_role", "one_group")
+
+
+def pooled_stats(stats, axis: int):
+    """Statistics with task error and distortion per entry replaced by their entries-weighted mean over `axis`
+    (0: roles, 1: groups), broadcast back; entries stay per bucket (they are the knapsack weights)."""
+    weight = np.asarray(stats.entries, np.float64)
+
+    def pool(x: np.ndarray) -> np.ndarray:
+        w = weight.reshape(weight.shape + (1,) * (x.ndim - 2))
+        mean = (x * w).sum(axis, keepdims=True) / np.maximum(w.sum(axis, keepdims=True), 1e-9)
+        return np.broadcast_to(mean, x.shape).copy()
+
+    pooled = copy.copy(stats)
+    pooled.task_error = pool(np.asarray(stats.task_error, np.float64))
+    pooled.distortion_per_entry = pool(np.asarray(stats.distortion_per_entry, np.float64))
+    return pooled
 
 
 def compile_table(
@@ -92,9 +113,14 @@ def compile_table(
 
 
 def compile_policy(
-    stats, budgets: list[float], *, release_window: int = 8, notes: str = "", **options
+    stats, budgets: list[float], *, release_window: int = 8, notes: str = "", ablation: str = "none", **options
 ) -> PersistencePolicy:
     """A policy over several budgets, carrying the calibration's model, layer count, groups and item ids."""
+    if ablation not in ABLATIONS:
+        raise ValueError(f"unknown ablation {ablation!r}; choose one of {', '.join(ABLATIONS)}")
+    options |= {"no_floors": {"use_floors": False}, "no_distortion": {"use_distortion": False}}.get(ablation, {})
+    if ablation in ("one_role", "one_group"):
+        stats = pooled_stats(stats, axis=0 if ablation == "one_role" else 1)
     group_layers = np.asarray([b - a for a, b in layer_groups(stats.num_layers, stats.groups)])
     return PersistencePolicy(
         model=stats.model,

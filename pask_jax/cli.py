@@ -1,4 +1,4 @@
-"""Command line: `pask-jax fetch-model`, `pask-jax demo`, `pask-jax bfcl`, `pask-jax calibrate`."""
+"""Command line: `pask-jax fetch-model`, `pask-jax demo`, `pask-jax bfcl`, `pask-jax calibrate`, `pask-jax bench`."""
 
 from __future__ import annotations
 
@@ -70,17 +70,31 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
     from pask_jax.policy import PersistencePolicy
 
     method_config = load_method_config(args.method_config)
-    policy = PersistencePolicy.load(args.policy) if args.policy else None
-    if "pask" in cfg.methods and policy is None:
+    policies = {}
+    for entry in args.policy or []:
+        label, _, path = entry.rpartition("=")
+        policies[label or "pask"] = PersistencePolicy.load(path)
+    if "pask" in cfg.methods and "pask" not in policies:
         print("note: --methods pask without --policy runs PASK uncalibrated (recency + sinks)", file=sys.stderr)
     model = load_model(args.model)
     tokenizer = load_tokenizer(args.model)
-    result = run_bfcl(model, tokenizer, args.model, cfg, method_config=method_config, policy=policy)
-    print(format_table(result, categories))
-    if args.out:
-        out = Path(args.out)
+    out = Path(args.out) if args.out else None
+
+    def save(result: dict) -> None:  # after every category, so a long run keeps what it measured
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
+
+    result = run_bfcl(
+        model,
+        tokenizer,
+        args.model,
+        cfg,
+        method_config=method_config,
+        policies=policies,
+        on_category=save if out else None,
+    )
+    print(format_table(result, categories))
+    if out:
         print(f"wrote {out}", file=sys.stderr)
 
 
@@ -106,13 +120,33 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         )
         stats.save(f"{args.out}.stats.json")
     policy = compile_policy(
-        stats, budgets, tolerance=args.tolerance, notes=f"pask-jax calibrate {' '.join(sys.argv[2:])}"
+        stats,
+        budgets,
+        tolerance=args.tolerance,
+        ablation=args.ablation,
+        notes=f"pask-jax calibrate {' '.join(sys.argv[2:])}",
     )
     path = policy.save(args.out)
     print(f"policy for {stats.model} ({stats.n_items} items, budgets {budgets}) -> {path}")
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    """Serving benchmark (scripts/bench_serving.py); every argument after `bench` is the script's own."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
+    if not script.exists():
+        raise ValueError(f"{script} not found: `pask-jax bench` needs the source checkout (pip install -e .)")
+    spec = importlib.util.spec_from_file_location("bench_serving", script)
+    module = sys.modules["bench_serving"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    module.main(args.args)
+
+
 def main(argv: list[str] | None = None) -> None:
+    from calibration.policy import ABLATIONS
+
     parser = argparse.ArgumentParser(prog="pask-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("fetch-model", help="download, verify and assemble a registered checkpoint")
@@ -126,7 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("bfcl", help="score methods on BFCL (evaluation split) with grammar-constrained decoding")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--methods", default="full", help="comma-separated: full,...")
+    p.add_argument(
+        "--methods",
+        default="full",
+        help="comma-separated: full,random,streamingllm,h2o,snapkv,pyramidkv,dapq,pask; pask:LABEL = PASK under "
+        "the policy given as --policy LABEL=PATH",
+    )
     p.add_argument("--budget", default="1.0", help="total KV budget(s) in (0, 1], comma-separated")
     p.add_argument("--categories", default="all", help="'all' or comma-separated BFCL categories")
     p.add_argument("--offset", type=int, default=0, help="first evaluation item of each category")
@@ -134,7 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--framing", default="tool_call", choices=["tool_call", "json_fence"])
-    p.add_argument("--policy", help="compiled PASK policy directory (from `pask-jax calibrate`)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        help="compiled PASK policy directory (from `pask-jax calibrate`), for method pask; LABEL=PATH for pask:LABEL "
+        "(repeatable)",
+    )
     p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
     p.add_argument("--out", help="write the full results JSON here")
     p.set_defaults(func=cmd_bfcl)
@@ -146,8 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tolerance", type=float, default=0.02, help="task-error increase a floor may allow")
     p.add_argument("--checkpoint", help="orbax progress directory (rerun to resume)")
     p.add_argument("--stats", help="compile from saved calibration statistics instead of calibrating")
+    p.add_argument("--ablation", default="none", choices=ABLATIONS, help="compile an ablated policy (issue #6)")
     p.add_argument("--out", required=True, help="policy directory, e.g. policies/qwen2.5-coder-0.5b")
     p.set_defaults(func=cmd_calibrate)
+    # prefix "+": every "--flag" after `bench` is passed through to the script's own parser (`pask-jax bench --help`)
+    p = sub.add_parser("bench", help="serving benchmark of Full KV, PASK, baselines", prefix_chars="+", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of scripts/bench_serving.py")
+    p.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     try:
         args.func(args)

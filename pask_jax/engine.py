@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -161,51 +161,9 @@ class StepPlan:
             for start, stop in self.groups
         )
 
-    def prefill(self, params, tokens, lengths, roles, capacities: tuple[int, ...]):
-        """tokens i32[B, T], lengths i32[B], roles i32[B, T] -> last-token logits f32[B, V], caches."""
-        model = nnx.merge(self.graphdef, params)
-        cfg = self.cfg
-        b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        valid = positions < lengths[:, None]
-        mask = (positions[:, :, None] >= positions[:, None, :]) & valid[:, None, :]
-        kv, observed = [], []
-
-        def extra_query_scores(extra_tokens, extra_positions):
-            """Attention mass that extra tokens, run after the prompt, give each prompt key (per layer)."""
-            n = extra_tokens.shape[1]
-            extra_mask = jnp.concatenate(
-                [
-                    jnp.broadcast_to(valid[:, None], (b, n, t)),
-                    jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n)),
-                ],
-                axis=-1,
-            )
-            scores = []
-
-            def attend_extra(layer, q, k, v):
-                keys = jnp.concatenate([kv[layer][0], k], axis=1)
-                values = jnp.concatenate([kv[layer][1], v], axis=1)
-                probs = attention_probs(q, keys, extra_mask)  # [B, K, G, N, T + N]
-                scores.append(probs[..., :t].sum(axis=(2, 3)))
-                out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(values.dtype), values)
-                return out.reshape(q.shape)
-
-            model.forward(extra_tokens, extra_positions, attend_extra)
-            return scores
-
-        ctx = PrefillContext(tokens, positions, valid, lengths, roles, cfg.num_kv_heads, extra_query_scores)
-
-        def attend(layer, q, k, v):
-            kv.append((k, v))
-            observed.append(self.method.prefill_observe(layer, q, k, ctx))
-            return attention(q, k, v, mask)
-
-        hidden = model.forward(tokens, positions, attend)
-        last = hidden[jnp.arange(b), lengths - 1][:, None]  # only the last prompt token needs logits
-        logits = model.logits(last)[:, 0]
-
-        scores = self.method.prefill_scores(observed, ctx)
+    def fill(self, kv, scores, ctx: PrefillContext, capacities: tuple[int, ...]):
+        """Keep each layer's best-scored prompt entries (up to its quota) in fresh caches -> caches, kept i32[B]."""
+        cfg, (b, t) = self.cfg, ctx.tokens.shape
         caches = [
             GroupCache.empty(stop - start, b, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype)
             for (start, stop), capacity in zip(self.groups, capacities, strict=True)
@@ -213,13 +171,13 @@ class StepPlan:
         for layer, (k, v) in enumerate(kv):
             g, li = self._layer_slot(layer)
             n_keep = min(t, capacities[g])
-            quota = jnp.maximum(jnp.floor(self.fractions[layer] * lengths).astype(jnp.int32), 1)  # i32[B]
-            ranked = jnp.where(valid[:, None], scores[layer], -jnp.inf)  # padding never kept
+            quota = jnp.maximum(jnp.floor(self.fractions[layer] * ctx.lengths).astype(jnp.int32), 1)  # i32[B]
+            ranked = jnp.where(ctx.valid[:, None], scores[layer], -jnp.inf)  # padding never kept
             keep = jax.lax.top_k(ranked, n_keep)[1].astype(jnp.int32)  # [B, K, n_keep], best first
             count = jnp.broadcast_to(jnp.minimum(quota, n_keep)[:, None], keep.shape[:2])
-            caches[g] = caches[g].fill(li, k, v, positions, roles, keep, count, scores[layer])
+            caches[g] = caches[g].fill(li, k, v, ctx.positions, ctx.roles, keep, count, scores[layer])
         kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B]
-        return logits, caches, kept
+        return caches, kept
 
     def decode(self, params, caches, tokens, positions, roles, prompt_lengths, mask_bits, key, temperature, top_p):
         """One token per sequence: write its K/V, attend to the cache, enforce the running cap, mask, sample."""
@@ -265,8 +223,65 @@ class StepPlan:
         return next_tokens, caches, kept, overflow
 
 
+def prefill_plans(plans: tuple[StepPlan, ...], params, tokens, lengths, roles, capacities: tuple[tuple[int, ...], ...]):
+    """One full-attention forward over the prompts, then every plan's method picks what its own caches keep.
+
+    tokens i32[B, T], lengths i32[B], roles i32[B, T] -> last-token logits f32[B, V], per plan (caches, kept i32[B]).
+    Prefill attention is uncompressed for every method, so plans over one model share the forward; only the
+    scoring and the fill are per plan (how a BFCL sweep runs many methods and budgets for one prefill).
+    """
+    base = plans[0]
+    model = nnx.merge(base.graphdef, params)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    valid = positions < lengths[:, None]
+    mask = (positions[:, :, None] >= positions[:, None, :]) & valid[:, None, :]
+    kv: list[tuple[jax.Array, jax.Array]] = []
+    observed: list[list] = [[] for _ in plans]
+
+    def extra_query_scores(extra_tokens, extra_positions):
+        """Attention mass that extra tokens, run after the prompt, give each prompt key (per layer)."""
+        n = extra_tokens.shape[1]
+        extra_mask = jnp.concatenate(
+            [
+                jnp.broadcast_to(valid[:, None], (b, n, t)),
+                jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n)),
+            ],
+            axis=-1,
+        )
+        scores = []
+
+        def attend_extra(layer, q, k, v):
+            keys = jnp.concatenate([kv[layer][0], k], axis=1)
+            values = jnp.concatenate([kv[layer][1], v], axis=1)
+            probs = attention_probs(q, keys, extra_mask)  # [B, K, G, N, T + N]
+            scores.append(probs[..., :t].sum(axis=(2, 3)))
+            out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(values.dtype), values)
+            return out.reshape(q.shape)
+
+        model.forward(extra_tokens, extra_positions, attend_extra)
+        return scores
+
+    ctx = PrefillContext(tokens, positions, valid, lengths, roles, base.cfg.num_kv_heads, extra_query_scores)
+
+    def attend(layer, q, k, v):
+        kv.append((k, v))
+        for plan, seen in zip(plans, observed, strict=True):
+            seen.append(plan.method.prefill_observe(layer, q, k, ctx))
+        return attention(q, k, v, mask)
+
+    hidden = model.forward(tokens, positions, attend)
+    last = hidden[jnp.arange(b), lengths - 1][:, None]  # only the last prompt token needs logits
+    logits = model.logits(last)[:, 0]
+    filled = [
+        plan.fill(kv, plan.method.prefill_scores(seen, ctx), ctx, caps)
+        for plan, seen, caps in zip(plans, observed, capacities, strict=True)
+    ]
+    return logits, filled
+
+
 # One compiled function per static signature (plan, capacities / sampling); the caches are donated to each step.
-_prefill = jax.jit(StepPlan.prefill, static_argnums=(0, 5))
+_prefill = jax.jit(prefill_plans, static_argnums=(0, 5))
 _decode = jax.jit(StepPlan.decode, static_argnums=(0, 9, 10), donate_argnums=(2,))
 
 
@@ -320,9 +335,8 @@ class Engine:
 
     def prefill(self, tokens: np.ndarray, lengths: np.ndarray, roles: np.ndarray, capacities: tuple[int, ...]):
         """Jitted prefill of right-padded prompts -> (last-token logits, caches, kept entries per sequence)."""
-        return _prefill(self.plan, self.params, tokens, lengths, roles, capacities)
-
-    # ---- host loop ----
+        logits, ((caches, kept),) = _prefill((self.plan,), self.params, tokens, lengths, roles, (capacities,))
+        return logits, caches, kept
 
     def generate(
         self,
@@ -331,45 +345,34 @@ class Engine:
         *,
         prompt_roles: Sequence[Sequence[int]] | None = None,
         constraint: TokenConstraint | None = None,
-        on_step: Callable[[int, np.ndarray], None] | None = None,
     ) -> list[Generation]:
         """Generate for a batch of token-id prompts; returns one Generation per prompt, in order."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        cfg = self.cfg
-        n = len(prompts)
-        lengths = np.array([len(p) for p in prompts], np.int32)
-        longest = int(lengths.max())
-        if self.max_context is not None and longest + sampling.max_new_tokens > self.max_context:
-            raise ValueError(
-                f"prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} exceeds the context "
-                f"limit {self.max_context}"
-            )
-        if any(t < 0 or t >= cfg.vocab_size for p in prompts for t in p):
-            raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
-        t_bucket = _bucket(longest, self.length_buckets, "a prompt")
-        b_bucket = 1 << (n - 1).bit_length()  # batch padded to a power of two: few compiles
-        tokens = np.zeros((b_bucket, t_bucket), np.int32)
-        roles = np.zeros((b_bucket, t_bucket), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
-            if prompt_roles is not None:
-                roles[i, : len(p)] = prompt_roles[i]
-        all_lengths = np.ones(b_bucket, np.int32)
-        all_lengths[:n] = lengths
-        new_bucket = -(-sampling.max_new_tokens // NEW_TOKEN_BUCKET) * NEW_TOKEN_BUCKET
-        capacities = self.capacities(t_bucket, new_bucket)
+        return generate_shared([self], prompts, sampling, prompt_roles=prompt_roles, constraints=[constraint])[0]
 
-        start = time.perf_counter()
-        logits, caches, kept = self.prefill(tokens, all_lengths, roles, capacities)
+    def _decode_loop(
+        self,
+        n: int,
+        logits: jax.Array,
+        caches: list[GroupCache],
+        kept: jax.Array,
+        lengths: np.ndarray,  # i32[B_bucket], 1 for padding rows
+        sampling: SamplingConfig,
+        constraint: TokenConstraint | None,
+        prefill_s: float,
+    ) -> list[Generation]:
+        """The host loop after prefill: sample, advance the grammar, one jitted decode step per token."""
+        cfg = self.cfg
+        b_bucket = lengths.shape[0]
+        capacities = tuple(int(c.k.shape[3]) for c in caches)
         kept = np.asarray(kept)
+        start = time.perf_counter()
         no_constraint = jnp.full((b_bucket, -(-cfg.vocab_size // 32)), -1, jnp.int32)
         key = jax.random.key(sampling.seed)
         # The first token comes from the prefill logits: one decode step per later token.
         bits = no_constraint if constraint is None else _pad_rows(constraint.mask(), b_bucket)
         key, sub = jax.random.split(key)
         current = np.asarray(_sample_masked(logits, bits, sub, sampling.temperature, sampling.top_p))
-        ttft = time.perf_counter() - start
+        ttft = prefill_s + time.perf_counter() - start
 
         full_per_token = cfg.num_layers * cfg.num_kv_heads
         stats = [
@@ -382,15 +385,13 @@ class Engine:
         done = np.zeros(b_bucket, bool)
         done[n:] = True
         finish = ["length"] * n
-        positions = all_lengths.copy()
+        positions = lengths.copy()
         for step in range(sampling.max_new_tokens):
             for i in np.flatnonzero(~done[:n]):
                 outputs[i].append(int(current[i]))
                 stats[i].generated_tokens += 1
                 if int(current[i]) in self.stop_token_ids:
                     done[i], finish[i] = True, "stop"
-            if on_step is not None:
-                on_step(step, current[:n])
             step_roles = np.zeros(b_bucket, np.int32)
             if constraint is not None:
                 step_roles[:n] = constraint.advance(current[:n])
@@ -406,7 +407,7 @@ class Engine:
                 current,
                 positions,
                 step_roles,
-                all_lengths,
+                lengths,
                 bits,
                 sub,
                 sampling.temperature,
@@ -421,6 +422,67 @@ class Engine:
                 stats[i].kept_ratios.append(kept[i] / (full_per_token * (positions[i] + 1)))
             positions += 1
         return [Generation(outputs[i], finish[i], stats[i]) for i in range(n)]
+
+
+def generate_shared(
+    engines: Sequence[Engine],
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig = SamplingConfig(),
+    *,
+    prompt_roles: Sequence[Sequence[int]] | None = None,
+    constraints: Sequence[TokenConstraint | None] | None = None,
+) -> list[list[Generation]]:
+    """Generate the same prompts with several engines over one model: one shared prefill, then each decodes.
+
+    Returns, per engine, one Generation per prompt. Each engine needs its own constraint (grammar state is per
+    sequence). Every engine's TTFT counts the whole shared prefill.
+    """
+    first = engines[0]
+    constraints = list(constraints) if constraints is not None else [None] * len(engines)
+    if len(constraints) != len(engines):
+        raise ValueError(f"{len(constraints)} constraints for {len(engines)} engines: give one per engine")
+    shared_leaves = jax.tree.leaves(first.params)
+    for engine in engines[1:]:
+        same = engine.plan.graphdef == first.plan.graphdef and all(
+            a is b for a, b in zip(jax.tree.leaves(engine.params), shared_leaves, strict=True)
+        )
+        if not same or (engine.length_buckets, engine.max_context) != (first.length_buckets, first.max_context):
+            raise ValueError("generate_shared needs engines over the same model, length buckets and context limit")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    cfg = first.cfg
+    n = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    longest = int(lengths.max())
+    if first.max_context is not None and longest + sampling.max_new_tokens > first.max_context:
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} exceeds the context "
+            f"limit {first.max_context}"
+        )
+    if any(t < 0 or t >= cfg.vocab_size for p in prompts for t in p):
+        raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+    t_bucket = _bucket(longest, first.length_buckets, "a prompt")
+    b_bucket = 1 << (n - 1).bit_length()  # batch padded to a power of two: few compiles
+    tokens = np.zeros((b_bucket, t_bucket), np.int32)
+    roles = np.zeros((b_bucket, t_bucket), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+        if prompt_roles is not None:
+            roles[i, : len(p)] = prompt_roles[i]
+    all_lengths = np.ones(b_bucket, np.int32)
+    all_lengths[:n] = lengths
+    new_bucket = -(-sampling.max_new_tokens // NEW_TOKEN_BUCKET) * NEW_TOKEN_BUCKET
+    capacities = tuple(engine.capacities(t_bucket, new_bucket) for engine in engines)
+
+    start = time.perf_counter()
+    plans = tuple(engine.plan for engine in engines)
+    logits, filled = _prefill(plans, first.params, tokens, all_lengths, roles, capacities)
+    logits.block_until_ready()
+    prefill_s = time.perf_counter() - start
+    return [
+        engine._decode_loop(n, logits, caches, kept, all_lengths, sampling, constraint, prefill_s)
+        for engine, (caches, kept), constraint in zip(engines, filled, constraints, strict=True)
+    ]
 
 
 def _pad_rows(bits: np.ndarray, rows: int) -> np.ndarray:

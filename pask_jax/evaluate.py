@@ -10,14 +10,13 @@ the engine's per-request statistics (kept/full KV ratios, token counts, times).
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from pask_jax import bfcl
-from pask_jax.engine import Engine, SamplingConfig
+from pask_jax.engine import Engine, SamplingConfig, generate_shared
 from pask_jax.methods import METHODS, make_method
 from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions
 from pask_jax.models.qwen3 import Qwen3
@@ -81,7 +80,7 @@ def run_category(
     cfg: EvalConfig,
     progress: tqdm | None = None,
 ) -> list[dict]:
-    """One category through every engine; each batch's grammars and prompt roles are built once for all of them."""
+    """One category through every engine; each batch's grammars, prompt roles and prefill are shared by all."""
     items = bfcl.evaluation_sample(category, cfg.offset, cfg.limit)
     answers = bfcl.load_answers(category)
     texts = [bfcl_prompt(item) for item in items]
@@ -94,29 +93,60 @@ def run_category(
         functions = [bfcl_python_functions(items[i]["function"]) for i in idx]
         grammars = [compile_grammar(f, tokenizer, framing=cfg.framing) for f in functions]
         roles = [prompt_roles(texts[i], tokenizer, functions[k]) for k, i in enumerate(idx)]
-        for key, engine in engines.items():
-            t0 = time.perf_counter()
-            constraint = GrammarConstraint(grammars, engine.cfg.vocab_size)
-            gens = engine.generate(
-                [prompts[i] for i in idx],
-                SamplingConfig(max_new_tokens=cfg.max_new_tokens),
-                prompt_roles=roles,
-                constraint=constraint,
-            )
+        constraints = [GrammarConstraint(grammars, engine.cfg.vocab_size) for engine in engines.values()]
+        outputs = generate_shared(
+            list(engines.values()),
+            [prompts[i] for i in idx],
+            SamplingConfig(max_new_tokens=cfg.max_new_tokens),
+            prompt_roles=roles,
+            constraints=constraints,
+        )
+        for key, gens, constraint in zip(engines, outputs, constraints, strict=True):
             t = timing[key]
             t[0] += constraint.mask_s + constraint.advance_s
             for k, i in enumerate(idx):
                 results[key][i] = _item_result(items[i], answers[items[i]["id"]], gens[k], tokenizer)
                 t[1] += sum(gens[k].stats.token_times_s)
                 t[2] += len(gens[k].stats.token_times_s)
-            t[3] += time.perf_counter() - t0
-            if progress is not None:
-                progress.update(len(idx))
+            # the shared prefill plus this engine's decode steps (the longest sequence saw every step)
+            t[3] += gens[0].stats.ttft_s + max(sum(g.stats.token_times_s) for g in gens)
+        if progress is not None:
+            progress.update(len(idx) * len(engines))
     return [
         {"method": method, "budget": budget, "category": category, "wall_s": round(timing[(method, budget)][3], 1)}
         | _category_run(results[(method, budget)], *timing[(method, budget)][:3])
         for method, budget in engines
     ]
+
+
+def build_engines(
+    model: Qwen3,
+    tokenizer: Tokenizer,
+    cfg: EvalConfig,
+    method_config: dict[str, dict],
+    policies: dict[str, PersistencePolicy],
+) -> dict[tuple[str, float], Engine]:
+    """One engine per (method spec, budget). A spec is a method name, or `pask:LABEL` for PASK under the policy
+    labelled LABEL (ablations side by side); plain `pask` takes the policy labelled "pask", else runs uncalibrated.
+    Hyper-parameters: the method's config section, then the spec's own section (e.g. `["pask:dapq_rank"]`)."""
+    engines = {}
+    for spec in cfg.methods:
+        name, _, label = spec.partition(":")
+        if name not in METHODS:
+            raise ValueError(f"unknown method {name!r} in {spec!r}; known: {', '.join(METHODS)}")
+        if label and (name != "pask" or label not in policies):
+            raise ValueError(f"{spec!r}: only pask takes a policy label, and {label!r} must name a --policy LABEL=PATH")
+        policy = policies.get(label or "pask") if name == "pask" else None
+        overrides = method_config.get(name, {}) | method_config.get(spec, {})
+        for budget in cfg.budgets if name != "full" else (1.0,):  # full KV ignores the budget: run it once
+            engines[(spec, budget)] = Engine(
+                model,
+                method=make_method(name, overrides, policy=policy, budget=budget),
+                budget=budget,
+                num_groups=policy.groups if policy is not None else cfg.num_groups,
+                stop_token_ids=tokenizer.eos_token_ids,
+            )
+    return engines
 
 
 def run_bfcl(
@@ -126,43 +156,41 @@ def run_bfcl(
     cfg: EvalConfig,
     *,
     method_config: dict[str, dict] | None = None,
-    policy: PersistencePolicy | None = None,
+    policies: dict[str, PersistencePolicy] | None = None,
+    on_category: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Every (method, budget) over every category; `policy` is required for calibrated PASK."""
-    unknown = sorted(set(cfg.methods) - set(METHODS))
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
-    if policy is not None:
+    """Every (method spec, budget) over every category; `policies` (label -> policy) calibrate PASK.
+
+    `on_category` gets the result so far after each category (long runs save partial results with it)."""
+    policies = policies or {}
+    for policy in policies.values():
         policy.check_compatible(model_name, model.config.num_layers)
     method_config = method_config or {}
-    engines = {}
-    for method in cfg.methods:
-        for budget in cfg.budgets if method != "full" else (1.0,):  # full KV ignores the budget: run it once
-            use_policy = method == "pask" and policy is not None
-            engines[(method, budget)] = Engine(
-                model,
-                method=make_method(method, method_config.get(method), policy=policy, budget=budget),
-                budget=budget,
-                num_groups=policy.groups if use_policy else cfg.num_groups,
-                stop_token_ids=tokenizer.eos_token_ids,
-            )
+    engines = build_engines(model, tokenizer, cfg, method_config, policies)
     total = sum(len(bfcl.evaluation_sample(c, cfg.offset, cfg.limit)) for c in cfg.categories) * len(engines)
+    config = dataclasses.asdict(cfg) | {"method_config": method_config}
+    config["policies"] = {
+        label: {"model": p.model, "groups": p.groups, "budgets": [t.budget for t in p.tables], "notes": p.notes}
+        for label, p in policies.items()
+    }
     runs = []
     with tqdm(total=total, desc="bfcl", unit="generation") as progress:
         for category in cfg.categories:
             runs += run_category(engines, tokenizer, category, cfg, progress)
+            result = {"model": model_name, "config": config, "runs": runs, "summary": summarize_runs(runs)}
+            if on_category is not None:
+                on_category(result)
+    return result
+
+
+def summarize_runs(runs: list[dict]) -> list[dict]:
+    """Per (method, budget): BFCL's non-live, live and overall means over the categories present."""
+    keys = dict.fromkeys((r["method"], r["budget"]) for r in runs)
     summary = []
-    for method, budget in engines:
+    for method, budget in keys:
         scores = {r["category"]: (r["correct"], r["n"]) for r in runs if (r["method"], r["budget"]) == (method, budget)}
         summary.append({"method": method, "budget": budget, **bfcl.summarize(scores)})
-    config = dataclasses.asdict(cfg) | {"method_config": method_config}
-    if policy is not None:
-        config["policy"] = {
-            "model": policy.model,
-            "groups": policy.groups,
-            "budgets": [t.budget for t in policy.tables],
-        }
-    return {"model": model_name, "config": config, "runs": runs, "summary": summary}
+    return summary
 
 
 def format_table(result: dict, categories: Sequence[str]) -> str:

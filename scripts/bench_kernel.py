@@ -10,11 +10,16 @@ length T, times one decode step of
   (c) ``compacted``: dense attention over the capacity-sized pool itself, no gather -- the floor a cache stored
                      compacted in position order could reach (what the kept slots alone cost),
   (d) ``kernel``:    the Pallas kernel in *interpret* mode (CPU emulation of the TPU kernel; only for small T, and its
-                     times say nothing about TPU speed -- they are reported for completeness).
+                     times say nothing about TPU speed -- they are reported for completeness),
+  or, with ``--kernel gpu`` on a GPU backend:
+  (e) ``kernel_gpu``: the Pallas/Triton GPU kernel compiled, at every T, interleaved with (a)-(c); ``kernel_gpu_split``:
+                     the same with the slot axis split over more programs (``num_splits``); each row also records the
+                     kernel's max abs error vs the reference (computed at ``highest`` matmul precision).
 
 Each is jitted, warmed up, and timed as the median of N runs. Writes JSON with machine info and ratios vs dense.
 
     python scripts/bench_kernel.py [--quick] [--out results/bench_kernel.json]
+    python scripts/bench_kernel.py --kernel gpu [--quick] [--dtype bfloat16] [--out results/bench_kernel_gpu.json]
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pask_jax.kernels import gather_attention_kernel, ref_gather_attention
+from pask_jax.kernels import (
+    DEFAULT_GPU_BLOCK_SIZE,
+    gather_attention_gpu_kernel,
+    gather_attention_kernel,
+    ref_gather_attention,
+)
 
 B, K, G, H = 8, 2, 7, 64
 BLOCK = 128
@@ -68,7 +78,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=None, help="timed runs per point (default 20, quick 7)")
     ap.add_argument("--kernel-max-t", type=int, default=1024, help="largest T timed for the interpreted kernel")
+    ap.add_argument(
+        "--kernel",
+        default="interpret",
+        choices=["interpret", "gpu"],
+        help="interpret: the TPU kernel interpreted on the host (small T); gpu: the Triton kernel, compiled",
+    )
+    ap.add_argument("--gpu-block", type=int, default=DEFAULT_GPU_BLOCK_SIZE, help="block_size of the GPU kernel")
     args = ap.parse_args()
+    gpu = args.kernel == "gpu"
+    if gpu and jax.default_backend() != "gpu":
+        ap.error(f"--kernel gpu needs a GPU backend, jax has {jax.default_backend()!r}")
+    if BLOCK % args.gpu_block:
+        ap.error(f"--gpu-block must divide the capacity granule {BLOCK}")
 
     lengths_t = [1024, 4096] if args.quick else [1024, 4096, 16384]
     fractions = [1.0, 0.5, 0.33, 0.2]
@@ -78,6 +100,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     ref = jax.jit(ref_gather_attention)
     kernel = jax.jit(lambda *a: gather_attention_kernel(*a, block_size=BLOCK, interpret=True))
+    kernel_gpu = partial(gather_attention_gpu_kernel, block_size=args.gpu_block)  # jitted; num_splits is static
 
     rows = []
     load_before = os.getloadavg()
@@ -93,19 +116,27 @@ def main() -> None:
             table = jnp.asarray(perm, jnp.int32)  # kept entries scattered over the pool
             ordered = jnp.asarray(np.broadcast_to(np.arange(cap), (B, K, cap)), jnp.int32)  # slot order = position
             lengths = jnp.full((B, K), kept, jnp.int32)
-            ms = time_ms(
-                {
-                    "dense": partial(dense_attention, q, k_full, v_full),
-                    "ref": partial(ref, q, k_slots, v_slots, table, lengths),
-                    "ref_ordered": partial(ref, q, k_slots, v_slots, ordered, lengths),
-                    "compacted": partial(dense_attention, q, k_slots, v_slots),
-                },
-                reps=reps,
-            )
+            thunks = {
+                "dense": partial(dense_attention, q, k_full, v_full),
+                "ref": partial(ref, q, k_slots, v_slots, table, lengths),
+                "ref_ordered": partial(ref, q, k_slots, v_slots, ordered, lengths),
+                "compacted": partial(dense_attention, q, k_slots, v_slots),
+            }
             row = {"T": t, "kept_fraction": frac, "kept_slots": kept, "capacity": cap}
+            if gpu:
+                splits = math.gcd(8, cap // args.gpu_block)  # up to 8x the B*K programs
+                thunks["kernel_gpu"] = partial(kernel_gpu, q, k_slots, v_slots, table, lengths)
+                thunks["kernel_gpu_split"] = partial(kernel_gpu, q, k_slots, v_slots, table, lengths, num_splits=splits)
+                with jax.default_matmul_precision("highest"):
+                    want = np.asarray(ref_gather_attention(q, k_slots, v_slots, table, lengths), np.float32)
+                row |= {"gpu_block": args.gpu_block, "gpu_num_splits": splits}
+                for name in ("kernel_gpu", "kernel_gpu_split"):
+                    err = np.abs(np.asarray(thunks[name](), np.float32) - want).max()
+                    row[f"{name}_max_abs_err"] = float(f"{err:.3g}")
+            ms = time_ms(thunks, reps=reps)
             row |= {f"{name}_ms": round(v, 4) for name, v in ms.items()}
             row |= {f"{name}_over_dense": round(ms[name] / ms["dense"], 3) for name in ms if name != "dense"}
-            if t <= args.kernel_max_t:
+            if not gpu and t <= args.kernel_max_t:
                 run_kernel = partial(kernel, q, k_slots, v_slots, table, lengths)
                 kms = time_ms({"k": run_kernel}, reps=kernel_reps, warmup=1)
                 row["kernel_interpret_ms"] = round(kms["k"], 3)
@@ -113,20 +144,31 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
 
+    interpret_note = (
+        f"kernel_interpret: the Pallas TPU kernel run with interpret=True on CPU, only for T <= "
+        f"{args.kernel_max_t}; interpret mode emulates the grid and every DMA serially, so its time measures the "
+        "emulator, not the kernel"
+    )
+    gpu_notes = [
+        f"kernel_gpu: the Pallas Triton kernel compiled (block_size {args.gpu_block}, one program per (sequence, KV "
+        "head)); kernel_gpu_split: gpu_num_splits programs per (sequence, KV head), merged by XLA; *_max_abs_err: vs "
+        "ref_gather_attention at highest matmul precision",
+        "dense/ref/compacted use XLA's default matmul precision (TF32 for float32 on recent NVIDIA GPUs)",
+    ]
     result = {
         "benchmark": "decode-step gather attention vs dense attention",
         "shape": {"B": B, "K_kv_heads": K, "G_q_per_kv": G, "H_head_dim": H, "block_size": BLOCK, "dtype": str(dtype)},
-        "timing": f"jitted, warmed up, median of {reps} interleaved runs (kernel: {kernel_reps}), milliseconds",
+        "timing": f"jitted, warmed up, median of {reps} interleaved runs"
+        + ("" if gpu else f" (kernel: {kernel_reps})")
+        + ", milliseconds",
         "notes": [
             "dense: attention over all T positions; ref: XLA gather + masked softmax over a slot pool of capacity "
             "ceil(kept / block) * block, through a random permuted slot table; ref_ordered: same with the identity "
             "table (kept entries stored in position order, so the gather streams)",
             "compacted: dense attention over the capacity-sized pool, no gather (the floor for the kept slots)",
             "dense is re-timed beside each fraction (interleaved), so dense_ms varies a little within one T",
-            f"kernel_interpret: the Pallas TPU kernel run with interpret=True on CPU, only for T <= "
-            f"{args.kernel_max_t}; interpret mode emulates the grid and every DMA serially, so its time measures the "
-            "emulator, not the kernel",
-        ],
+        ]
+        + (gpu_notes if gpu else [interpret_note]),
         "machine": {
             "jax": jax.__version__,
             "backend": jax.default_backend(),
@@ -137,6 +179,7 @@ def main() -> None:
             "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         },
         "quick": args.quick,
+        "kernel_mode": args.kernel,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from pask_jax.methods.base import PROTECTED
 from pask_jax.methods.h2o import accumulated_attention, fold_recent_window
 from pask_jax.methods.pyramidkv import pyramid_fractions
 from pask_jax.methods.snapkv import prompt_first_priority, window_scores
+from pask_jax.models import qwen3
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 
 
@@ -194,7 +195,9 @@ def test_h2o_accumulates_over_decode_steps():
     np.testing.assert_array_equal(np.asarray(method.new_token_score(0, jnp.array([7, 9]), jnp.zeros(2, int), 2)), 0)
 
 
-def test_h2o_prefill_is_column_sums_of_causal_attention():
+@pytest.mark.parametrize("query_chunk", [512, 2])  # one block, or three chunks of queries summed
+def test_h2o_prefill_is_column_sums_of_causal_attention(monkeypatch, query_chunk):
+    monkeypatch.setattr(qwen3, "QUERY_CHUNK", query_chunk)
     q, k = random_qk(t=6, seed=2)
     lengths = np.array([6, 4], np.int32)
     positions = np.broadcast_to(np.arange(6), (2, 6))

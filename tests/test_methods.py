@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pask_jax.engine import Engine, SamplingConfig
+from pask_jax.engine import Engine, SamplingConfig, generate_shared
 from pask_jax.methods import METHODS
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 
@@ -76,3 +76,22 @@ def test_prefill_keeps_unique_valid_entries(model: Qwen3, name: str):
             assert (live >= 0).all() and (live < lengths[idx[1]]).all(), "kept entries must be real prompt tokens"
             quota = max(int(np.floor(engine.fractions[start + idx[0]] * lengths[idx[1]])), 1)
             assert length[idx] == min(quota, cache.capacity)
+
+
+def test_shared_prefill_equals_separate_engines(model: Qwen3):
+    """A sweep's shared prefill (one forward, every method's own fill) gives each engine its own tokens and caps."""
+    engines = [make(model, name, 0.4) for name in sorted(METHODS)]
+    shared = generate_shared(engines, PROMPTS, SamplingConfig(max_new_tokens=NEW))
+    for engine, gens in zip(engines, shared, strict=True):
+        alone = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))
+        assert [g.tokens for g in gens] == [g.tokens for g in alone], engine.method.name
+        assert [g.stats.kept_ratios for g in gens] == [g.stats.kept_ratios for g in alone], engine.method.name
+
+
+def test_shared_prefill_refuses_engines_of_different_models(model: Qwen3):
+    other = Qwen3(ModelConfig.tiny("qwen3", num_layers=4, vocab_size=256), rngs=nnx.Rngs(6))
+    engines = [make(model, "full", 1.0), Engine(other, length_buckets=BUCKETS)]
+    with pytest.raises(ValueError, match="same model"):
+        generate_shared(engines, PROMPTS, SamplingConfig(max_new_tokens=4))
+    with pytest.raises(ValueError, match="one per engine"):
+        generate_shared(engines[:1], PROMPTS, constraints=[None, None])

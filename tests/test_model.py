@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 
+from pask_jax.models import qwen3
 from pask_jax.models.loading import (
     CheckpointError,
     config_from_hf,
@@ -239,3 +241,19 @@ def test_not_a_checkpoint_directory(tmp_path: Path):
     (tmp_path / "weights.json").write_text(json.dumps({}))
     with pytest.raises(CheckpointError, match="no config.json"):
         load_hf_checkpoint(tmp_path)
+
+
+def test_chunked_prompt_attention_equals_one_block(monkeypatch):
+    """Prompts longer than QUERY_CHUNK attend chunk by chunk; the result must not depend on the chunking."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    b, t, n, kv, h = 2, 48, 4, 2, 8
+    q = jax.random.normal(keys[0], (b, t, n, h))
+    k, v = (jax.random.normal(key, (b, t, kv, h)) for key in keys[1:])
+    lengths = jnp.array([48, 30])
+    pos = jnp.arange(t)
+    mask = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])
+    whole = qwen3.attention(q, k, v, mask)
+    monkeypatch.setattr(qwen3, "QUERY_CHUNK", 16)
+    chunked = qwen3.attention(q, k, v, mask)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-6, atol=1e-6)
+    assert qwen3.over_query_chunks(lambda x: x.sum(1), q, chunk=16).shape == (3, b, n, h)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from calibration.policy import compile_policy, compile_table
+from calibration.policy import compile_policy, compile_table, pooled_stats
 from pask_jax.engine import Engine
 from pask_jax.methods.pask import PaskKV
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
@@ -24,7 +24,11 @@ def synthetic_stats(num_layers: int = 4) -> types.SimpleNamespace:
     """USER_TEXT is fragile (any removal below 75% breaks the call), DESCRIPTION is harmless and cheap to drop."""
     entries = np.zeros((R, G))
     entries[[Role.TEMPLATE, Role.TOOL_NAME, Role.DESCRIPTION, Role.USER_TEXT, Role.SCHEMA_PUNCT]] = [
-        [20, 20], [5, 5], [60, 60], [15, 15], [40, 40]
+        [20, 20],
+        [5, 5],
+        [60, 60],
+        [15, 15],
+        [40, 40],
     ]
     task_error = np.zeros((R, G, len(LEVELS)))
     task_error[Role.USER_TEXT] = [[0.5, 0.4, 0.2, 0.0]] * G
@@ -74,6 +78,18 @@ def test_ablation_switches():
     assert (compile_table(stats, 0.33, use_floors=False).floor == 0).all()
     uniform = compile_table(stats, 0.33, use_distortion=False)
     assert (uniform.priority == 0).all() and uniform.floor[Role.USER_TEXT][0] == 0.75
+    present = stats.entries[:, 0] > 0
+    pooled = pooled_stats(stats, axis=0)  # every role of a group looks alike to the compiler
+    assert len(np.unique(pooled.task_error[present], axis=0)) == 1 and (pooled.entries == stats.entries).all()
+    one_role = compile_policy(stats, [0.33], ablation="one_role").table(0.33)
+    assert len(np.unique(one_role.priority[present], axis=0)) == 1
+    stats.task_error[Role.USER_TEXT, 1] = 0.0  # groups now differ; pooling over groups must hide it
+    per_group = compile_policy(stats, [0.33]).table(0.33)
+    one_group = compile_policy(stats, [0.33], ablation="one_group").table(0.33)
+    assert per_group.floor[Role.USER_TEXT].tolist() == [0.75, 0.0]
+    assert one_group.floor[Role.USER_TEXT, 0] == one_group.floor[Role.USER_TEXT, 1]
+    with pytest.raises(ValueError, match="unknown ablation"):
+        compile_policy(stats, [0.33], ablation="no_roles")
 
 
 def test_save_load_and_mismatches(tmp_path: Path):

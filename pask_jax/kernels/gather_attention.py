@@ -30,6 +30,8 @@ Two implementations with the same contract:
   a bf16 VMEM buffer hit packed (16, 128) tiles; there is no cross-block double buffering yet (JAX's paged-attention
   kernel prefetches the next block's pages).
 
+``gather_attention_gpu_kernel`` (``gather_attention_gpu.py``) is the same contract for GPU (Pallas' Triton backend).
+
 ``gather_attention(..., use_kernel=...)`` is the single switch the engine uses. On CPU run the kernel with
 ``interpret=True`` (HLO interpreter) or ``interpret=pltpu.InterpretParams()`` (TPU interpreter that simulates memory
 spaces, DMAs and semaphores) -- for correctness only, it is slow.
@@ -243,14 +245,23 @@ def gather_attention(
     slot_table: jax.Array,  # i32[B, K, S]
     lengths: jax.Array,  # i32[B, K]
     *,
-    use_kernel: bool | None = None,  # None: the Pallas kernel on TPU, the XLA reference elsewhere
+    use_kernel: bool | None = None,  # None: the Pallas kernel on TPU, the XLA reference elsewhere; True: see below
     block_size: int = DEFAULT_BLOCK_SIZE,
     interpret: bool | pltpu.InterpretParams = False,
     scale: float | None = None,
 ) -> jax.Array:  # f[B, K, G, H], q.dtype
-    """Decode attention over the kept slots; the one switch between the Pallas kernel and the XLA reference."""
+    """Decode attention over the kept slots; the one switch between the Pallas kernels and the XLA reference.
+
+    ``use_kernel=True`` compiled (``interpret`` false) on a GPU backend runs the Triton kernel
+    ``gather_attention_gpu_kernel`` (``block_size`` a power of two >= 16); otherwise the TPU kernel, compiled on TPU
+    or interpreted anywhere (so interpreted calls behave alike on every backend).
+    """
     if use_kernel is None:
         use_kernel = jax.default_backend() == "tpu"
+    if use_kernel and not interpret and jax.default_backend() == "gpu":
+        from pask_jax.kernels.gather_attention_gpu import gather_attention_gpu_kernel  # imports this module
+
+        return gather_attention_gpu_kernel(q, k_slots, v_slots, slot_table, lengths, block_size=block_size, scale=scale)
     if use_kernel:
         return gather_attention_kernel(
             q, k_slots, v_slots, slot_table, lengths, block_size=block_size, interpret=interpret, scale=scale

@@ -20,12 +20,14 @@ METHODS: dict[str, type[KVMethod]] = {
 
 
 def load_method_config(path: str | Path | None = None) -> dict[str, dict]:
-    """Per-method hyper-parameter overrides from a TOML file (default: configs/methods.toml, if present)."""
+    """Per-method hyper-parameter overrides from a TOML file (default: configs/methods.toml, if present).
+
+    A section is a method name, or `name:LABEL` for one labelled variant in a sweep (e.g. `["pask:dapq_rank"]`)."""
     path = Path(path) if path is not None else Path(__file__).parents[2] / "configs" / "methods.toml"
     if not path.exists():
         return {}
     config = tomllib.loads(path.read_text())
-    unknown = sorted(set(config) - set(METHODS))
+    unknown = sorted(s for s in config if s.partition(":")[0] not in METHODS)
     if unknown:
         raise ValueError(f"{path}: unknown method(s) {unknown}; known: {', '.join(METHODS)}")
     return config

@@ -27,13 +27,17 @@ import jax
 import jax.numpy as jnp
 
 from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
-from pask_jax.models.qwen3 import attention_probs
+from pask_jax.models.qwen3 import attention_probs, over_query_chunks
 
 
 def accumulated_attention(q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
     """Column sums of the prompt's causal attention over valid queries and the GQA group -> f32[B, K, T]."""
     mask = (ctx.positions[:, :, None] >= ctx.positions[:, None, :]) & ctx.valid[:, None, :]  # the engine's mask
-    return jnp.einsum("BKGTS,BT->BKS", attention_probs(q, k, mask), ctx.valid.astype(jnp.float32))
+
+    def received(q: jax.Array, mask: jax.Array, valid: jax.Array) -> jax.Array:  # one query chunk -> f32[B, K, T]
+        return jnp.einsum("BKGTS,BT->BKS", attention_probs(q, k, mask), valid.astype(jnp.float32))
+
+    return over_query_chunks(received, q, mask, ctx.valid).sum(axis=0)
 
 
 def fold_recent_window(acc: jax.Array, lengths: jax.Array, recent_fraction: float) -> jax.Array:

@@ -167,6 +167,25 @@ def attention_probs(
     return masked_softmax(logits, mask[:, None, None])  # mask as [B, 1, 1, T, S]
 
 
+QUERY_CHUNK = 512  # prompt attention runs over query chunks of at most this size: [B, N, chunk, S] at a time
+
+
+def over_query_chunks(fn: Callable[..., jax.Array], *per_query: jax.Array, chunk: int | None = None) -> jax.Array:
+    """fn applied to consecutive query chunks of arrays whose axis 1 is the query axis -> stacked [n_chunks, ...].
+
+    Runs the chunks one after another (`lax.map`), so a long prompt never materialises all of its T x S attention
+    weights at once. The chunk is the largest divisor of T up to `chunk` (default QUERY_CHUNK; length buckets are
+    multiples of 64).
+    """
+    t = per_query[0].shape[1]
+    size = max(d for d in range(1, min(chunk or QUERY_CHUNK, t) + 1) if t % d == 0)
+
+    def split(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [T / size, B, size, ...]
+        return jnp.moveaxis(x.reshape(x.shape[0], t // size, size, *x.shape[2:]), 1, 0)
+
+    return jax.lax.map(lambda chunks: fn(*chunks), tuple(split(x) for x in per_query))
+
+
 def attention(
     q: jax.Array,  # f[B, T, N, H]
     k: jax.Array,  # f[B, S, K, H]
@@ -174,9 +193,16 @@ def attention(
     mask: jax.Array,  # bool[B, T, S]
 ) -> jax.Array:  # f[B, T, N, H]
     """Grouped-query softmax attention over explicit keys; the reference every cache path must match."""
-    b, t, n, h = q.shape
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", attention_probs(q, k, mask).astype(v.dtype), v)
-    return out.reshape(b, t, n, h)
+
+    def chunk_attention(q: jax.Array, mask: jax.Array) -> jax.Array:
+        b, t, n, h = q.shape
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", attention_probs(q, k, mask).astype(v.dtype), v)
+        return out.reshape(b, t, n, h)
+
+    if q.shape[1] <= QUERY_CHUNK:
+        return chunk_attention(q, mask)
+    out = over_query_chunks(chunk_attention, q, mask)  # [n_chunks, B, chunk, N, H]
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
 
 class Attention(nnx.Module):
