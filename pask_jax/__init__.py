@@ -4,13 +4,14 @@ Public entry points:
 - `load_model(path_or_name)`: an HF checkpoint directory, a `.gguf` file, or a fetched model's name.
 - `load_tokenizer(path_or_name)`: the matching tokenizer (or "qwen": the Qwen2/2.5/3 tokenizer built offline).
 - `Engine`: batched prefill + jitted decode over a ragged, budget-sized KV cache.
+- `generate_shared(engines, prompts)`: several engines over one model share the prompt forward (method sweeps).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pask_jax.engine import Engine, Generation, SamplingConfig
+from pask_jax.engine import Engine, Generation, SamplingConfig, generate_shared
 from pask_jax.models.fetch import MODELS, fetch_model, resolve_model_path
 from pask_jax.models.loading import load_model
 from pask_jax.models.qwen3 import PRESETS, ModelConfig, Qwen3
@@ -34,6 +35,7 @@ __all__ = [
     "SamplingConfig",
     "Tokenizer",
     "fetch_model",
+    "generate_shared",
     "load_model",
     "load_tokenizer",
     "resolve_model_path",

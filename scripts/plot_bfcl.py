@@ -1,6 +1,6 @@
 """Plot BFCL accuracy (8-category mean) against the KV budget, one line per method, from `pask-jax bfcl` JSON files.
 
-    python scripts/plot_bfcl.py results/bfcl_*.json --out results/bfcl_accuracy_vs_budget.png
+python scripts/plot_bfcl.py results/bfcl_*.json --out results/bfcl_accuracy_vs_budget.png
 """
 
 from __future__ import annotations

@@ -1,0 +1,76 @@
+"""Merge `pask-jax bfcl` results over disjoint item ranges (e.g. `--offset 0 --limit 8` and `--offset 8 --limit 17`)
+into one result, as if run at once: items concatenated per (method, budget, category), counts and means recomputed.
+
+    python scripts/merge_bfcl.py results/a.json results/b.json --out results/merged.json [--methods full]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from pask_jax.evaluate import format_table, summarize_runs
+
+
+def merge(results: list[dict], methods: set[str] | None = None) -> dict:
+    """Runs of the same (method, budget, category) are joined; an item id seen twice is an error."""
+    if len({r["model"] for r in results}) != 1:
+        raise ValueError("results are for different models")
+    joined: dict[tuple, dict] = {}
+    for result in results:
+        for run in result["runs"]:
+            if methods is not None and run["method"] not in methods:
+                continue
+            key = (run["method"], run["budget"], run["category"])
+            if key not in joined:
+                joined[key] = {**run, "items": list(run["items"]), "wall_s": run["wall_s"], "_steps": [run]}
+                continue
+            merged = joined[key]
+            seen = {item["id"] for item in merged["items"]}
+            twice = seen & {item["id"] for item in run["items"]}
+            if twice:
+                raise ValueError(f"{key}: items {sorted(twice)[:3]} appear in more than one result")
+            merged["items"] += run["items"]
+            merged["wall_s"] = round(merged["wall_s"] + run["wall_s"], 1)
+            merged["_steps"].append(run)
+    runs = []
+    for run in joined.values():
+        items, parts = run["items"], run.pop("_steps")
+        steps = sum(p["decode_steps"] for p in parts)
+        run |= {
+            "n": len(items),
+            "correct": sum(i["valid"] for i in items),
+            "accuracy": sum(i["valid"] for i in items) / max(len(items), 1),
+            "parsed_fraction": sum(i["parsed"] for i in items) / max(len(items), 1),
+            "kept_ratio_mean": float(np.mean([i["kept_ratio_mean"] for i in items])),
+            "kept_ratio_max": float(np.max([i["kept_ratio_max"] for i in items])),
+            "decode_steps": steps,
+            # step-weighted, as each part's fraction is over its own steps
+            "parser_seconds_per_step_fraction": sum(
+                p["parser_seconds_per_step_fraction"] * p["decode_steps"] for p in parts
+            )
+            / max(steps, 1),
+        }
+        runs.append(run)
+    config = results[0]["config"] | {"merged_from": [r["config"] for r in results]}
+    return {"model": results[0]["model"], "config": config, "runs": runs, "summary": summarize_runs(runs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--methods", help="comma-separated method specs to keep (default: all)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    methods = set(args.methods.split(",")) if args.methods else None
+    merged = merge([json.loads(p.read_text()) for p in args.results], methods)
+    args.out.write_text(json.dumps(merged, indent=1) + "\n")
+    categories = list(dict.fromkeys(r["category"] for r in merged["runs"]))
+    print(format_table(merged, categories))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""scripts/merge_bfcl.py: disjoint item ranges of one run join into the result of a single run."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("merge_bfcl", Path(__file__).parents[1] / "scripts" / "merge_bfcl.py")
+merge_bfcl = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(merge_bfcl)
+
+
+def item(i: int, valid: bool) -> dict:
+    return {"id": f"simple_python_{i}", "valid": valid, "parsed": True, "kept_ratio_mean": 0.3, "kept_ratio_max": 0.33}
+
+
+def result(items: list[dict], method: str = "snapkv") -> dict:
+    run = {
+        "method": method,
+        "budget": 0.33,
+        "category": "simple_python",
+        "wall_s": 10.0,
+        "n": len(items),
+        "correct": sum(i["valid"] for i in items),
+        "accuracy": 0.0,
+        "decode_steps": 10 * len(items),
+        "parser_seconds_per_step_fraction": 0.001,
+        "items": items,
+    }
+    return {"model": "m", "config": {"offset": 0}, "runs": [run], "summary": []}
+
+
+def test_merge_joins_items_and_recomputes_accuracy():
+    merged = merge_bfcl.merge([result([item(0, True), item(1, False)]), result([item(2, True), item(3, True)])])
+    (run,) = merged["runs"]
+    assert run["n"] == 4 and run["correct"] == 3 and run["accuracy"] == 0.75 and run["wall_s"] == 20.0
+    assert merged["summary"][0]["method"] == "snapkv"
+    assert merge_bfcl.merge([result([item(0, True)])], methods={"full"})["runs"] == []
+
+
+def test_merge_refuses_overlapping_items():
+    with pytest.raises(ValueError, match="more than one result"):
+        merge_bfcl.merge([result([item(0, True)]), result([item(0, False)])])
