@@ -6,6 +6,9 @@ Data flow per request batch:
 Each decode step runs the model on one token per sequence, writes its K/V into the cache, attends to
 the live slots, applies the host-supplied token mask (packed bits, as grammar engines write them),
 and samples. The host loop only moves B token ids (and B kept-entry counts) per step.
+
+`generate_shared` runs several engines over one model on the same prompts: prefill attention is uncompressed for
+every method, so one forward serves them all and each method fills its own cache from it (method sweeps).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -177,6 +178,10 @@ def run_bfcl(
     with tqdm(total=total, desc="bfcl", unit="generation") as progress:
         for category in cfg.categories:
             runs += run_category(engines, tokenizer, category, cfg, progress)
+            # Every category brings new length buckets, so new executables for each engine; a sweep that kept them
+            # all would exhaust the process's memory maps (vm.max_map_count) on CPU. Repeated shapes come back from
+            # the persistent compile cache.
+            jax.clear_caches()
             result = {"model": model_name, "config": config, "runs": runs, "summary": summarize_runs(runs)}
             if on_category is not None:
                 on_category(result)

@@ -1,0 +1,58 @@
+"""Markdown report of `pask-jax bfcl` results: accuracy per category and the three means, kept/full KV, and where
+the errors come from (bfcl-eval's error types, and how many runs hit the token limit), per (method, budget).
+
+    python scripts/bfcl_report.py results/bfcl_sweep_limit8.json [more.json ...] [--budget 0.33]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+from pask_jax.evaluate import format_table, summarize_runs
+
+
+def kept_table(runs: list[dict]) -> str:
+    lines = ["| method | budget | kept/full mean | kept/full max | truncated at max tokens |", "|---|---|---|---|---|"]
+    for key in dict.fromkeys((r["method"], r["budget"]) for r in runs):
+        group = [r for r in runs if (r["method"], r["budget"]) == key]
+        items = [i for r in group for i in r["items"]]
+        mean = sum(i["kept_ratio_mean"] for i in items) / len(items)
+        peak = max(i["kept_ratio_max"] for i in items)
+        truncated = sum(i.get("finish_reason") == "length" for i in items)
+        lines.append(f"| {key[0]} | {key[1]:g} | {mean:.3f} | {peak:.3f} | {truncated}/{len(items)} |")
+    return "\n".join(lines)
+
+
+def error_table(runs: list[dict], budget: float | None) -> str:
+    """Error types of the wrong items, per (method, budget); categories where full KV is right too are not split."""
+    counts: dict[tuple, Counter] = {}
+    for r in runs:
+        if budget is not None and r["budget"] not in (budget, 1.0):
+            continue
+        counter = counts.setdefault((r["method"], r["budget"]), Counter())
+        counter.update(i["error_type"] or "none" for i in r["items"] if not i["valid"])
+    kinds = sorted({k for c in counts.values() for k in c}, key=lambda k: -sum(c[k] for c in counts.values()))
+    lines = ["| method | budget | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+    for (method, b), c in counts.items():
+        lines.append(f"| {method} | {b:g} | " + " | ".join(str(c[k]) for k in kinds) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--budget", type=float, help="error breakdown at this budget only (and full KV)")
+    args = parser.parse_args()
+    runs = [r for path in args.results for r in json.loads(path.read_text())["runs"]]
+    result = {"runs": runs, "summary": summarize_runs(runs)}
+    categories = list(dict.fromkeys(r["category"] for r in runs))
+    print("### Accuracy (%)\n\n" + format_table(result, categories))
+    print("\n### KV kept\n\n" + kept_table(runs))
+    print("\n### Errors of the wrong items (bfcl-eval error types)\n\n" + error_table(runs, args.budget))
+
+
+if __name__ == "__main__":
+    main()
