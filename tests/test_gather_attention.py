@@ -100,6 +100,15 @@ def test_reference_equals_dense_attention(permute):
     np.testing.assert_allclose(np.asarray(out).reshape(b, kh * g, h), want, atol=1e-5, rtol=1e-5)
 
 
+def poison_unkept_slots(k_slots, v_slots, table, lengths):
+    """k/v with NaN in every slot no table entry keeps: a kernel that reads one gives NaN."""
+    kept = np.zeros(k_slots.shape[:3], bool)
+    for bi, hi in np.ndindex(*lengths.shape):
+        kept[bi, hi, np.asarray(table[bi, hi, : lengths[bi, hi]])] = True
+    poison = jnp.asarray(~kept)[..., None]
+    return jnp.where(poison, jnp.nan, k_slots), jnp.where(poison, jnp.nan, v_slots)
+
+
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_zero_lengths_give_zeros_and_unkept_nan_slots_are_ignored(use_kernel):
     q, k_slots, v_slots, table, lengths = make_case(11, 2, 2, 2, 64, 16, 16, 8)
@@ -108,14 +117,11 @@ def test_zero_lengths_give_zeros_and_unkept_nan_slots_are_ignored(use_kernel):
     )
     assert not np.isnan(np.asarray(zeros)).any() and not np.asarray(zeros).any()
     # poison every slot no table entry keeps: the result must not change
-    kept = np.zeros(k_slots.shape[:3], bool)
-    for bi, hi in np.ndindex(*lengths.shape):
-        kept[bi, hi, np.asarray(table[bi, hi, : lengths[bi, hi]])] = True
-    poison = jnp.asarray(~kept)[..., None]
+    poisoned_k, poisoned_v = poison_unkept_slots(k_slots, v_slots, table, lengths)
     out = gather_attention(
         q,
-        jnp.where(poison, jnp.nan, k_slots),
-        jnp.where(poison, jnp.nan, v_slots),
+        poisoned_k,
+        poisoned_v,
         table,
         lengths,
         use_kernel=use_kernel,

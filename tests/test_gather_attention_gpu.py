@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
-from test_gather_attention import TOL, assert_close, make_case  # tests/ is on sys.path (pytest's rootdir import)
+
+# tests/ is on sys.path (pytest's rootdir import)
+from test_gather_attention import TOL, assert_close, make_case, poison_unkept_slots
 
 from pask_jax.kernels import gather_attention, gather_attention_gpu_kernel, ref_gather_attention, validate_gpu_inputs
 from pask_jax.kernels import gather_attention_gpu as gpu_module
@@ -67,14 +69,11 @@ def test_zero_lengths_give_zeros_and_unkept_nan_slots_are_ignored(num_splits):
     zeros = run_kernel(q, k_slots, v_slots, table, jnp.zeros_like(lengths), block_size=16, num_splits=num_splits)
     assert not np.isnan(np.asarray(zeros)).any() and not np.asarray(zeros).any()
     # poison every slot no table entry keeps (slot 0, which stands in for masked entries, too): no change
-    kept = np.zeros(k_slots.shape[:3], bool)
-    for bi, hi in np.ndindex(*lengths.shape):
-        kept[bi, hi, np.asarray(table[bi, hi, : lengths[bi, hi]])] = True
-    poison = jnp.asarray(~kept)[..., None]
+    poisoned_k, poisoned_v = poison_unkept_slots(k_slots, v_slots, table, lengths)
     out = run_kernel(
         q,
-        jnp.where(poison, jnp.nan, k_slots),
-        jnp.where(poison, jnp.nan, v_slots),
+        poisoned_k,
+        poisoned_v,
         table,
         lengths,
         block_size=16,
