@@ -59,7 +59,8 @@ def _item_result(item: dict, answer: dict, gen, tokenizer: Tokenizer) -> dict:
     }
 
 
-def _category_run(items: list[dict], parser_s: float, decode_s: float, steps: int) -> dict:
+def item_stats(items: list[dict]) -> dict:
+    """Counts, accuracy, parse rate and kept/full KV ratios over scored items (a category run, or merged runs)."""
     n = max(len(items), 1)
     return {
         "n": len(items),
@@ -68,6 +69,11 @@ def _category_run(items: list[dict], parser_s: float, decode_s: float, steps: in
         "parsed_fraction": sum(r["parsed"] for r in items) / n,
         "kept_ratio_mean": float(np.mean([r["kept_ratio_mean"] for r in items])) if items else 1.0,
         "kept_ratio_max": float(np.max([r["kept_ratio_max"] for r in items])) if items else 1.0,
+    }
+
+
+def _category_run(items: list[dict], parser_s: float, decode_s: float, steps: int) -> dict:
+    return item_stats(items) | {
         "parser_seconds_per_step_fraction": parser_s / max(decode_s + parser_s, 1e-9),
         "decode_steps": steps,
         "items": items,

@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from pask_jax.evaluate import format_table, summarize_runs
+from pask_jax.evaluate import format_table, item_stats, summarize_runs
 
 
 def kept_table(runs: list[dict]) -> str:
@@ -19,10 +19,12 @@ def kept_table(runs: list[dict]) -> str:
     for key in dict.fromkeys((r["method"], r["budget"]) for r in runs):
         group = [r for r in runs if (r["method"], r["budget"]) == key]
         items = [i for r in group for i in r["items"]]
-        mean = sum(i["kept_ratio_mean"] for i in items) / len(items)
-        peak = max(i["kept_ratio_max"] for i in items)
+        stats = item_stats(items)
         truncated = sum(i.get("finish_reason") == "length" for i in items)
-        lines.append(f"| {key[0]} | {key[1]:g} | {mean:.3f} | {peak:.3f} | {truncated}/{len(items)} |")
+        lines.append(
+            f"| {key[0]} | {key[1]:g} | {stats['kept_ratio_mean']:.3f} | {stats['kept_ratio_max']:.3f} | "
+            f"{truncated}/{len(items)} |"
+        )
     return "\n".join(lines)
 
 

@@ -10,9 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
-
-from pask_jax.evaluate import format_table, summarize_runs
+from pask_jax.evaluate import format_table, item_stats, summarize_runs
 
 
 def merge(results: list[dict], methods: set[str] | None = None) -> dict:
@@ -40,13 +38,7 @@ def merge(results: list[dict], methods: set[str] | None = None) -> dict:
     for run in joined.values():
         items, parts = run["items"], run.pop("_steps")
         steps = sum(p["decode_steps"] for p in parts)
-        run |= {
-            "n": len(items),
-            "correct": sum(i["valid"] for i in items),
-            "accuracy": sum(i["valid"] for i in items) / max(len(items), 1),
-            "parsed_fraction": sum(i["parsed"] for i in items) / max(len(items), 1),
-            "kept_ratio_mean": float(np.mean([i["kept_ratio_mean"] for i in items])),
-            "kept_ratio_max": float(np.max([i["kept_ratio_max"] for i in items])),
+        run |= item_stats(items) | {
             "decode_steps": steps,
             # step-weighted, as each part's fraction is over its own steps
             "parser_seconds_per_step_fraction": sum(
