@@ -4,7 +4,9 @@
    stays within `tolerance` (1.0 if none does). If a group's floors cost more than its share of the budget, the
    floors of the least sensitive buckets are lowered first.
 2. The remaining capacity is shared by attention-output distortion per removed entry: a fractional knapsack over
-   buckets (value = distortion per entry, weight = entries x layers), solved greedily in order of value density.
+   buckets (value = distortion per entry, weight = entries x layers), solved greedily in order of value density,
+   with each layer group's share bounded to [budget / 2, 2 x budget] of its entries (first every group reaches its
+   lower bound, then all compete) so that no group is starved when one group's buckets all score higher.
    Greedy is exact for the linear relaxation, needs no tuning and is deterministic, which is why we use it rather
    than an optax-solved continuous relaxation: the two agree on a linear objective, and greedy is cheaper.
 3. The online method sees the result as a per-group kept fraction and a priority order inside each group (higher
@@ -25,7 +27,7 @@ import numpy as np
 from pask_jax.cache import layer_groups
 from pask_jax.policy import PersistencePolicy, PolicyTable
 
-MIN_GROUP_FRACTION = 0.02  # no group is starved of all its entries
+GROUP_SHARE = 2.0  # a layer group keeps between budget / GROUP_SHARE and GROUP_SHARE x budget of its entries
 ABLATIONS = ("none", "no_floors", "no_distortion", "one_role", "one_group")
 
 
@@ -43,6 +45,28 @@ def pooled_stats(stats, axis: int):
     pooled.task_error = pool(np.asarray(stats.task_error, np.float64))
     pooled.distortion_per_entry = pool(np.asarray(stats.distortion_per_entry, np.float64))
     return pooled
+
+
+def _fill_by_value(
+    kept: np.ndarray,  # f64[R, G] entry-layers kept so far
+    weight: np.ndarray,  # f64[R, G] entry-layers of each bucket
+    value: np.ndarray,  # f64[R, G] value per entry
+    group_cap: np.ndarray,  # f64[G] most entry-layers a group may keep
+    amount: float,  # entry-layers to add
+) -> np.ndarray:
+    """`kept` plus up to `amount`, highest value first. Buckets of equal value form one class and share what is left
+    in proportion to their room (so ties favour no group); no group goes above its cap."""
+    kept = kept.copy()
+    for v in np.unique(value)[::-1]:
+        if amount <= 1e-9:
+            break
+        room = np.where(value == v, weight - kept, 0.0)
+        group_room = np.maximum(group_cap - kept.sum(0), 0.0)
+        room = np.minimum(room, group_room[None, :] * room / np.maximum(room.sum(0, keepdims=True), 1e-9))
+        take = min(1.0, amount / max(room.sum(), 1e-9))
+        kept += take * room
+        amount -= take * room.sum()
+    return kept
 
 
 def compile_table(
@@ -80,25 +104,19 @@ def compile_table(
                     break
                 floor[r, g] = max(0.0, floor[r, g] - excess / max(weight[r, g], 1e-9))
 
-    # 2. Residual capacity by distortion per entry (fractional knapsack, greedy by value density). Buckets of equal
-    #    value form one class and share what is left in proportion to their room, so ties do not favour a group.
+    # 2. Residual capacity by distortion per entry (fractional knapsack, greedy by value density). Every group first
+    #    reaches budget / GROUP_SHARE (its own best buckets first), then all compete, no group above GROUP_SHARE x
+    #    budget: without the bounds a group whose buckets all score higher takes everything and starves the rest.
     kept = floor * weight
-    residual = capacity - kept.sum()
     value = np.asarray(stats.distortion_per_entry, np.float64) if use_distortion else np.ones((roles, groups))
-    for v in np.unique(value)[::-1]:
-        room = np.where(value == v, weight - kept, 0.0)
-        group_room = total_per_group - kept.sum(0)  # no group keeps more than all of its entries
-        room = np.minimum(room, group_room[None, :] * room / np.maximum(room.sum(0, keepdims=True), 1e-9))
-        take = min(1.0, residual / max(room.sum(), 1e-9))
-        kept += take * room
-        residual -= take * room.sum()
-        if residual <= 1e-9:
-            break
-
-    fractions = np.clip(kept.sum(0) / np.maximum(total_per_group, 1e-9), MIN_GROUP_FRACTION, 1.0)
-    mean = (fractions * layers).sum() / layers.sum()
-    if mean > budget:  # the minimum share pushed the total over: scale back so the running cap holds
-        fractions *= budget / mean
+    low, high = budget / GROUP_SHARE * total_per_group, min(1.0, GROUP_SHARE * budget) * total_per_group
+    for g in range(groups):
+        kept[:, g : g + 1] = _fill_by_value(
+            kept[:, g : g + 1], weight[:, g : g + 1], value[:, g : g + 1], high[g : g + 1], low[g] - kept[:, g].sum()
+        )
+    kept = _fill_by_value(kept, weight, value, high, capacity - kept.sum())
+    fractions = kept.sum(0) / np.maximum(total_per_group, 1e-9)
+    fractions *= min(1.0, budget * layers.sum() / (fractions * layers).sum())  # float rounding never lifts the cap
     kept_fraction = np.where(weight > 0, kept / np.maximum(weight, 1e-9), 0.0)
     # Priority: the rank of the bucket's value (dense: equal values share a priority), scaled into [0, 1).
     distinct = np.unique(value)

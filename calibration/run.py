@@ -1,5 +1,10 @@
 """Calibration driver: BFCL calibration items -> gold calls with roles -> jitted passes -> `CalibrationStats`.
 
+Targets (`target=`): "own" (default) teacher-forces the model's own greedy, grammar-constrained call at full KV, so
+the baseline is right by construction and task error measures how often removing a bucket changes the call the model
+would make (what a compressed cache must preserve); "canonical" uses the rendered ground truth, which a small model
+rarely reproduces token for token (the 0.5B model: 2 of 8 items), leaving most items without a task-error signal.
+
 Per item (see `passes.py` for what one pass computes): the prompt is prefilled once; then every variant (role r,
 layer group g, keep level lam) whose removal hides at least one entry is teacher-forced, in batches of `batch` rows
 sharded over a 1-D device mesh (axis "data"; parameters and the item replicated). Variants that hide nothing equal the
@@ -39,6 +44,7 @@ from tqdm.auto import tqdm
 from calibration.passes import NO_ROLE, ItemArrays, PassPlan, baseline_pass, removed_entries, variant_pass
 from pask_jax.bfcl import CATEGORIES, canonical_calls, is_calibration, load_answers, split_items
 from pask_jax.cache import layer_groups
+from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions, format_tool_call
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.structure.grammar import GrammarConstraint, compile_grammar
@@ -47,6 +53,8 @@ from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
 
 DEFAULT_LEVELS = (0.0, 0.25, 0.5, 0.75)
 GOLD_BUCKET = 16  # fed tokens padded to a multiple of this; prompts to a power of two (>= 64)
+TARGETS = ("own", "canonical")
+OWN_CALL_TOKENS = 128  # an own call still unfinished after this many tokens is skipped (a runaway value)
 SUMS = ("task_error", "task_error_strict", "nll_delta", "distortion", "distortion_per_entry", "entries", "present")
 
 
@@ -127,28 +135,46 @@ def text_consistent(gold: Sequence[int], tokenizer, vocab_size: int) -> np.ndarr
     return pack_bits(sets, vocab_size)
 
 
-def prepare_example(item: dict, answer: dict, tokenizer, vocab_size: int) -> Example:
-    """Tokenise prompt and gold, label prompt roles, walk the grammar over the gold (ValueError if it refuses it)."""
+def prepare_example(item: dict, answer: dict | None, tokenizer, vocab_size: int, gold=None) -> Example:
+    """Tokenise prompt and gold, label prompt roles, walk the grammar over the gold (ValueError if it refuses it).
+
+    `gold`: the target token ids (e.g. `own_call`); None renders the canonical ground truth `answer` instead."""
     functions = bfcl_python_functions(item["function"])
     prompt = bfcl_prompt(item)
     ids = np.asarray(tokenizer.encode(prompt), np.int32)
     roles = np.asarray(prompt_roles(prompt, tokenizer, functions), np.int32).copy()
     roles[0] = Role.SINK
     grammar = compile_grammar(functions, tokenizer, framing="tool_call")
-    for ensure_ascii in (True, False):
-        gold = np.asarray(tokenizer.encode(gold_text(item, answer, ensure_ascii)), np.int32)
+    if gold is None:
+        renderings = [tokenizer.encode(gold_text(item, answer, ensure_ascii)) for ensure_ascii in (True, False)]
+    else:
+        renderings = [gold]
+    for attempt, tokens in enumerate(np.asarray(r, np.int32) for r in renderings):
         constraint = GrammarConstraint([grammar], vocab_size)
         allowed, gold_roles = [], []
         try:
-            for token in gold:
+            for token in tokens:
                 allowed.append(constraint.mask()[0])
                 gold_roles.append(constraint.advance(np.array([token]))[0])
             break
         except ValueError:
-            if not ensure_ascii:
+            if attempt == len(renderings) - 1:
                 raise
-    consistent = text_consistent(gold, tokenizer, vocab_size)
-    return Example(item["id"], ids, roles, gold, np.asarray(gold_roles, np.int32), np.stack(allowed), consistent)
+    consistent = text_consistent(tokens, tokenizer, vocab_size)
+    return Example(item["id"], ids, roles, tokens, np.asarray(gold_roles, np.int32), np.stack(allowed), consistent)
+
+
+def own_call(engine: Engine, item: dict, tokenizer, max_new_tokens: int = OWN_CALL_TOKENS) -> np.ndarray:
+    """i32[T]: the model's own greedy, grammar-constrained answer to `item` at full KV, end of turn included
+    (ValueError if it does not finish within `max_new_tokens`)."""
+    functions = bfcl_python_functions(item["function"])
+    grammar = compile_grammar(functions, tokenizer, framing="tool_call")
+    constraint = GrammarConstraint([grammar], engine.cfg.vocab_size)
+    prompt = tokenizer.encode(bfcl_prompt(item))
+    (gen,) = engine.generate([prompt], SamplingConfig(max_new_tokens=max_new_tokens), constraint=constraint)
+    if gen.finish_reason != "stop":
+        raise ValueError(f"own call unfinished after {max_new_tokens} tokens")
+    return np.asarray(gen.tokens, np.int32)
 
 
 def item_arrays(ex: Example) -> ItemArrays:
@@ -195,6 +221,7 @@ class CalibrationStats:
     item_ids: list[str]
     skipped: dict[str, str]  # item id -> why it was not calibrated
     wall_s: float
+    target: str = "canonical"  # "own" or "canonical" (see the module docstring); older statistics are canonical
 
     def to_json(self) -> str:
         return json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in vars(self).items()})
@@ -290,6 +317,7 @@ def calibrate_examples(
     batch: int = 32,  # variant rows per pass (rounded up to a multiple of the device count)
     save_every: int = 4,
     progress: bool = True,
+    target: str = "canonical",  # what the examples' gold is (recorded in the statistics and the checkpoint)
 ) -> CalibrationStats:
     """The calibration loop over prepared examples (`calibrate` builds them from BFCL items)."""
     if 0.0 not in levels:
@@ -301,7 +329,12 @@ def calibrate_examples(
     params = _put(params, NamedSharding(mesh, P()))
     batch = -(-batch // mesh.size) * mesh.size
     config = dict(
-        model=cfg.name, num_layers=cfg.num_layers, groups=groups, levels=list(levels), taxonomy=TAXONOMY_VERSION
+        model=cfg.name,
+        num_layers=cfg.num_layers,
+        groups=groups,
+        levels=list(levels),
+        taxonomy=TAXONOMY_VERSION,
+        target=target,
     )
     shape = (num_roles(), groups)
     sums = {k: np.zeros(shape + ((len(levels),) if k.startswith(("task", "nll")) else ()), np.float64) for k in SUMS}
@@ -348,16 +381,27 @@ def calibrate_examples(
     )
 
 
-def calibrate(model: Qwen3, tokenizer, items_with_answers: Sequence[tuple[dict, dict]], **options) -> CalibrationStats:
+def calibrate(
+    model: Qwen3, tokenizer, items_with_answers: Sequence[tuple[dict, dict]], *, target: str = "own", **options
+) -> CalibrationStats:
     """Calibrate on BFCL (item, answer) pairs from the calibration split (`calibration_items`; an evaluation item is
-    refused). Options as `calibrate_examples`: groups=4, levels=DEFAULT_LEVELS, checkpoint_dir=None, max_items=None,
-    batch=32, save_every=4, progress=True."""
+    refused) against `target` "own" (the model's own full-KV call; items where it does not finish are skipped) or
+    "canonical" (the rendered ground truth). Options as `calibrate_examples`: groups=4, levels=DEFAULT_LEVELS,
+    checkpoint_dir=None, max_items=None, batch=32, save_every=4, progress=True."""
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r}: choose one of {', '.join(TARGETS)}")
     leaked = [it["id"] for it, _ in items_with_answers if not is_calibration(it["id"])]
     if leaked:
         raise ValueError(f"evaluation items must never be calibrated on: {leaked[:5]}")
     vocab = model.config.vocab_size
-    examples = [(it["id"], lambda it=it, a=a: prepare_example(it, a, tokenizer, vocab)) for it, a in items_with_answers]
-    return calibrate_examples(model, examples, **options)
+    engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids) if target == "own" else None
+
+    def build(item: dict, answer: dict) -> Example:
+        gold = own_call(engine, item, tokenizer) if engine is not None else None
+        return prepare_example(item, answer, tokenizer, vocab, gold=gold)
+
+    examples = [(it["id"], functools.partial(build, it, a)) for it, a in items_with_answers]
+    return calibrate_examples(model, examples, target=target, **options)
 
 
 def init_distributed() -> bool:

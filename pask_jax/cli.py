@@ -116,6 +116,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
             tokenizer,
             calibration_items(args.per_category),
             groups=args.groups,
+            levels=[float(x) for x in args.levels.split(",")],
+            target=args.target,
             checkpoint_dir=args.checkpoint,
         )
         stats.save(f"{args.out}.stats.json")
@@ -198,6 +200,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budgets", default="0.2,0.33,0.5")
     p.add_argument("--per-category", type=int, default=8, help="calibration items per BFCL category")
     p.add_argument("--groups", type=int, default=4, help="layer groups")
+    p.add_argument("--levels", default="0,0.25,0.5,0.75", help="keep levels measured per bucket (must include 0)")
+    p.add_argument(
+        "--target",
+        default="own",
+        choices=("own", "canonical"),
+        help="teacher-forced call: the model's own full-KV call, or the rendered ground truth",
+    )
     p.add_argument("--tolerance", type=float, default=0.02, help="task-error increase a floor may allow")
     p.add_argument("--checkpoint", help="orbax progress directory (rerun to resume)")
     p.add_argument("--stats", help="compile from saved calibration statistics instead of calibrating")

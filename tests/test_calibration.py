@@ -338,11 +338,48 @@ def test_end_to_end_real_bfcl_items():
 
     items = calibration_items(per_category=1, categories=("simple_python", "multiple"))
     model = Qwen3(ModelConfig.tiny(vocab_size=vocab, hidden_size=32, num_layers=LAYERS), rngs=nnx.Rngs(0))
-    stats = calibrate(model, tokenizer, items, groups=GROUPS, levels=(0.0,), batch=16, progress=False)
-    assert stats.n_items == 2 and not stats.skipped
+    options = dict(groups=GROUPS, levels=(0.0,), batch=16, progress=False)
+    stats = calibrate(model, tokenizer, items, target="canonical", **options)
+    assert stats.n_items == 2 and not stats.skipped and stats.target == "canonical"
     assert stats.item_ids == [it["id"] for it, _ in items]
     assert (stats.present[Role.USER_TEXT] == 2).all() and (stats.present[Role.END_OF_TURN] == 0).all()
     assert (stats.distortion[Role.USER_TEXT] > 0).all()
+    own = calibrate(model, tokenizer, items, **options)  # the default target: the model's own full-KV call
+    assert own.target == "own" and sorted(own.item_ids + list(own.skipped)) == sorted(stats.item_ids)
+    assert all("unfinished" in why for why in own.skipped.values())  # a random model may not end its call
+    with pytest.raises(ValueError, match="target="):
+        calibrate(model, tokenizer, items, target="gold", **options)
     evaluation_item = split_items("simple_python")[1][0]
     with pytest.raises(ValueError, match="evaluation"):
         calibrate(model, tokenizer, [(evaluation_item, {})], progress=False)
+
+
+def test_own_call_target_is_right_at_full_kv():
+    """The engine's greedy constrained call, teacher-forced by the passes, has baseline error 0: the passes'
+    argmax under the grammar reproduces every token the engine decoded (own-call targets are right by construction)."""
+    pytest.importorskip("bfcl_eval")
+    from calibration.run import calibration_items, own_call, prepare_example
+    from pask_jax.engine import Engine, SamplingConfig
+    from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions
+    from pask_jax.models.tokenizer import qwen_tokenizer
+    from pask_jax.structure.grammar import GrammarConstraint, compile_grammar
+
+    tokenizer, vocab = qwen_tokenizer(), 151936
+    model = Qwen3(ModelConfig.tiny(vocab_size=vocab, hidden_size=32, num_layers=LAYERS), rngs=nnx.Rngs(0))
+    engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids)
+    item, answer = calibration_items(1, ("simple_python",))[0]
+    with pytest.raises(ValueError, match="unfinished after 3 tokens"):  # a call takes more than 3 tokens
+        own_call(engine, item, tokenizer, max_new_tokens=3)
+    # A random model rarely ends its call: take its first 24 greedy tokens (the property holds for any prefix).
+    grammar = compile_grammar(bfcl_python_functions(item["function"]), tokenizer, framing="tool_call")
+    prompt = tokenizer.encode(bfcl_prompt(item))
+    (gen,) = engine.generate(
+        [prompt], SamplingConfig(max_new_tokens=24), constraint=GrammarConstraint([grammar], vocab)
+    )
+    ex = prepare_example(item, None, tokenizer, vocab, gold=gen.tokens)
+    assert ex.gold.tolist() == gen.tokens and ex.gold_roles[0] == Role.FRAMING
+    base = baseline_pass(_plan(model), nnx.state(model), item_arrays(ex))
+    assert not bool(base["error"]) and not bool(base["error_strict"])
+    # ...while the canonical rendering of the ground truth is not what this model says
+    canonical = prepare_example(item, answer, tokenizer, vocab)
+    assert bool(baseline_pass(_plan(model), nnx.state(model), item_arrays(canonical))["error_strict"])

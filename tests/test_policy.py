@@ -55,6 +55,7 @@ def test_table_obeys_budget_and_floors(budget: float):
     table = compile_table(stats, budget)
     table.validate(R, G)
     assert table.group_fractions.mean() <= budget + 1e-6
+    assert (table.group_fractions >= budget / 2 - 1e-6).all() and (table.group_fractions <= 2 * budget + 1e-6).all()
     assert table.floor[Role.USER_TEXT].tolist() == [0.75, 0.75]  # the smallest level within tolerance
     assert table.floor[Role.TOOL_NAME].tolist() == [0.25, 0.25]
     assert (table.floor[Role.DESCRIPTION] == 0).all()
@@ -71,6 +72,17 @@ def test_infeasible_floors_give_way_least_sensitive_first():
     assert table.floor[Role.USER_TEXT].tolist() == [0.75, 0.75]
     assert (table.floor[Role.DESCRIPTION] < 1.0).all()
     assert ((table.floor * stats.entries).sum(0) <= 0.2 * stats.entries.sum(0) + 1e-6).all()
+
+
+def test_group_shares_bounded_when_one_group_scores_higher():
+    """Per-group-constant values (the one_role ablation's shape) must not hand one group everything."""
+    stats = synthetic_stats()
+    stats.task_error[:] = 0.0
+    stats.distortion_per_entry = np.tile([[1.0, 0.01]], (R, 1))  # group 0 outscores group 1 on every role
+    table = compile_table(stats, 0.33)
+    np.testing.assert_allclose(table.group_fractions, [0.495, 0.165], atol=1e-6)  # 2b - b/2 moved, b/2 left
+    table = compile_table(stats, 0.7)
+    np.testing.assert_allclose(table.group_fractions, [1.0, 0.4], atol=1e-6)  # capped at all of group 0
 
 
 def test_ablation_switches():
