@@ -1,7 +1,8 @@
 """Merge `pask-jax bfcl` results over disjoint item ranges (e.g. `--offset 0 --limit 8` and `--offset 8 --limit 17`)
 into one result, as if run at once: items concatenated per (method, budget, category), counts and means recomputed.
+With `--replace`, a later result's items replace an earlier result's items of the same id (a rerun after a fix).
 
-    python scripts/merge_bfcl.py results/a.json results/b.json --out results/merged.json [--methods full]
+    python scripts/merge_bfcl.py results/a.json results/b.json --out results/merged.json [--methods full] [--replace]
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 from pask_jax.evaluate import format_table, item_stats, summarize_runs
 
 
-def merge(results: list[dict], methods: set[str] | None = None) -> dict:
-    """Runs of the same (method, budget, category) are joined; an item id seen twice is an error."""
+def merge(results: list[dict], methods: set[str] | None = None, replace: bool = False) -> dict:
+    """Runs of the same (method, budget, category) are joined; an item id seen twice is an error, or with `replace`
+    the later result's item wins."""
     if len({r["model"] for r in results}) != 1:
         raise ValueError("results are for different models")
     joined: dict[tuple, dict] = {}
@@ -29,8 +31,17 @@ def merge(results: list[dict], methods: set[str] | None = None) -> dict:
             merged = joined[key]
             seen = {item["id"] for item in merged["items"]}
             twice = seen & {item["id"] for item in run["items"]}
-            if twice:
+            if twice and not replace:
                 raise ValueError(f"{key}: items {sorted(twice)[:3]} appear in more than one result")
+            if twice:  # whole earlier parts give way, so steps and wall time stay exact
+                kept = [p for p in merged["_steps"] if not {item["id"] for item in p["items"]} & twice]
+                if sum(len(p["items"]) for p in kept) + len(twice) != len(seen):
+                    raise ValueError(f"{key}: --replace needs the rerun to cover whole earlier results")
+                merged |= {
+                    "items": [item for p in kept for item in p["items"]],
+                    "wall_s": sum(p["wall_s"] for p in kept),
+                    "_steps": kept,
+                }
             merged["items"] += run["items"]
             merged["wall_s"] = round(merged["wall_s"] + run["wall_s"], 1)
             merged["_steps"].append(run)
@@ -55,10 +66,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--methods", help="comma-separated method specs to keep (default: all)")
+    parser.add_argument("--replace", action="store_true", help="later results replace items of the same id")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     methods = set(args.methods.split(",")) if args.methods else None
-    merged = merge([json.loads(p.read_text()) for p in args.results], methods)
+    merged = merge([json.loads(p.read_text()) for p in args.results], methods, args.replace)
     args.out.write_text(json.dumps(merged, indent=1) + "\n")
     categories = list(dict.fromkeys(r["category"] for r in merged["runs"]))
     print(format_table(merged, categories))

@@ -43,3 +43,14 @@ def test_merge_joins_items_and_recomputes_accuracy():
 def test_merge_refuses_overlapping_items():
     with pytest.raises(ValueError, match="more than one result"):
         merge_bfcl.merge([result([item(0, True)]), result([item(0, False)])])
+
+
+def test_merge_replace_takes_the_later_item():
+    merged = merge_bfcl.merge([result([item(1, False)]), result([item(1, True)])], replace=True)
+    (run,) = merged["runs"]
+    assert run["n"] == 1 and run["correct"] == 1 and run["decode_steps"] == 10 and run["wall_s"] == 10.0
+    with pytest.raises(ValueError, match="whole earlier results"):  # item 0 would lose its run's statistics
+        merge_bfcl.merge([result([item(0, True), item(1, False)]), result([item(1, True)])], replace=True)
+    merged = merge_bfcl.merge([result([item(0, True)]), result([item(1, False)]), result([item(1, True)])], None, True)
+    assert [i["id"] for i in merged["runs"][0]["items"]] == ["simple_python_0", "simple_python_1"]
+    assert merged["runs"][0]["correct"] == 2
