@@ -1,6 +1,7 @@
 """Merge `pask-jax bfcl` results over disjoint item ranges (e.g. `--offset 0 --limit 8` and `--offset 8 --limit 17`)
 into one result, as if run at once: items concatenated per (method, budget, category), counts and means recomputed.
 With `--replace`, a later result's items replace an earlier result's items of the same id (a rerun after a fix).
+`PATH#OLD=NEW` renames method OLD in that file (two PASK policies that both ran as `pask`, side by side).
 
     python scripts/merge_bfcl.py results/a.json results/b.json --out results/merged.json [--methods full] [--replace]
 """
@@ -62,15 +63,28 @@ def merge(results: list[dict], methods: set[str] | None = None, replace: bool = 
     return {"model": results[0]["model"], "config": config, "runs": runs, "summary": summarize_runs(runs)}
 
 
+def load(arg: str) -> dict:
+    """`PATH` or `PATH#OLD=NEW[#OLD=NEW...]`: a result file, its methods renamed."""
+    path, *renames = arg.split("#")
+    result = json.loads(Path(path).read_text())
+    for rename in renames:
+        old, sep, new = rename.partition("=")
+        if not sep or not any(run["method"] == old for run in result["runs"]):
+            raise ValueError(f"{arg}: {rename!r} must be OLD=NEW with OLD a method of {path}")
+        for run in result["runs"]:
+            run["method"] = new if run["method"] == old else run["method"]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("results", nargs="+", help="result files, each optionally PATH#OLD=NEW (rename a method)")
     parser.add_argument("--methods", help="comma-separated method specs to keep (default: all)")
     parser.add_argument("--replace", action="store_true", help="later results replace items of the same id")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     methods = set(args.methods.split(",")) if args.methods else None
-    merged = merge([json.loads(p.read_text()) for p in args.results], methods, args.replace)
+    merged = merge([load(arg) for arg in args.results], methods, args.replace)
     args.out.write_text(json.dumps(merged, indent=1) + "\n")
     categories = list(dict.fromkeys(r["category"] for r in merged["runs"]))
     print(format_table(merged, categories))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,14 @@ def test_merge_replace_takes_the_later_item():
     merged = merge_bfcl.merge([result([item(0, True)]), result([item(1, False)]), result([item(1, True)])], None, True)
     assert [i["id"] for i in merged["runs"][0]["items"]] == ["simple_python_0", "simple_python_1"]
     assert merged["runs"][0]["correct"] == 2
+
+
+def test_load_renames_methods(tmp_path: Path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result([item(0, True)], method="pask")))
+    renamed = merge_bfcl.load(f"{path}#pask=pask:canonical8")
+    assert [run["method"] for run in renamed["runs"]] == ["pask:canonical8"]
+    merged = merge_bfcl.merge([renamed, merge_bfcl.load(str(path))])  # same items, now two methods
+    assert sorted(run["method"] for run in merged["runs"]) == ["pask", "pask:canonical8"]
+    with pytest.raises(ValueError, match="OLD=NEW"):
+        merge_bfcl.load(f"{path}#snapkv=x")
