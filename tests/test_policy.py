@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from pathlib import Path
 
@@ -156,3 +157,32 @@ def test_shipped_policy_loads_and_obeys_its_budgets():
         assert table.group_fractions.mean() <= table.budget + 1e-6  # equal groups: 6 layers each
         method = PaskKV.from_policy(policy, table.budget)
         assert np.isclose(method.layer_fractions(24, table.budget).mean(), table.group_fractions.mean())
+
+
+def test_retained_call_outranks_floors_and_released_entries_leave_first():
+    """Order of eviction (lowest score leaves first): released generated < unprotected prompt < floor-protected
+    prompt < the generated call of RETAIN buckets (floors were calibrated with the whole call present)."""
+    import jax.numpy as jnp
+
+    from pask_jax.methods.base import PrefillContext
+    from pask_jax.methods.pask import POSITION_RANGE
+
+    policy = compile_policy(synthetic_stats(), [0.33])
+    table = policy.table(0.33)
+    method = PaskKV.from_policy(policy, 0.33)
+    retained, released = Role.FUNCTION_NAME, Role.ARG_LITERAL
+    table.retain[[retained, released], 0] = True, False  # pin the actions under test in group 0 (layer 0)
+    method = dataclasses.replace(method, retain=tuple(map(tuple, table.retain.tolist())))
+    roles = jnp.asarray([[Role.SINK, Role.DESCRIPTION, Role.USER_TEXT, Role.USER_TEXT]], jnp.int32)
+    positions = jnp.arange(4, dtype=jnp.int32)[None]
+    ctx = PrefillContext(roles * 0, positions, positions < 4, jnp.asarray([4]), roles, 1, lambda *a: [])
+    prompt = np.asarray(method.prefill_observe(0, None, None, ctx))[0, 0]  # [sink, description, user, user]
+    assert table.floor[Role.USER_TEXT, 0] == 0.75 and table.floor[Role.DESCRIPTION, 0] == 0
+    assert prompt[1] < prompt[2] < prompt[3]  # the description leaves before the floor-protected user text
+    call = np.asarray(method.new_token_score(0, jnp.asarray([4]), jnp.asarray([retained]), 1))[0, 0]
+    assert call > prompt[3]
+    scores = jnp.asarray([[[prompt[1], call]]])  # [B, K, S]: an old released entry beside the description
+    pos, role = jnp.asarray([[[1, 5]]]), jnp.asarray([[[Role.DESCRIPTION, released]]])
+    late = np.asarray(method.eviction_priority(0, scores, pos, role, jnp.asarray([5 + 20]), jnp.asarray([4])))
+    assert late[0, 0, 0] == prompt[1]  # prompt entries are never released
+    assert late[0, 0, 1] == 5 < POSITION_RANGE  # released after the window: level 0, oldest first

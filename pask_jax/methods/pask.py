@@ -4,13 +4,15 @@ Every cache entry carries its structural role (prompt roles from lexing the tool
 grammar's parser state). A compiled `PersistencePolicy` gives, per (role, layer group) bucket, a protection floor,
 a priority and a RETAIN / RELEASE action; the method turns them into one integer-valued score per entry:
 
-    score = level * 2**16 + position,   level = 128 * protected + round(64 * priority)
+    score = level * 2**16 + position,   level = tier * 65 + round(64 * priority)
 
-so the lowest level leaves first and, within a level, the oldest entry. `protected` marks the most recent
-ceil(floor * n) entries of each prompt bucket (the same recency rule calibration measured floors with) and
-generated tokens of buckets with floor >= 0.5. RELEASE buckets' generated entries fall to level 0 once they are
-more than `release_window` tokens old. The decode step does one table lookup per token: no attention statistics.
-Scores stay exact in float32 (< 2**24) for positions below 2**16.
+so the lowest level leaves first and, within a level, the oldest entry. Tiers: 2 = generated tokens of RETAIN
+buckets (the call written so far), 1 = floor-protected prompt entries (the most recent ceil(floor * n) entries of
+each prompt bucket: the recency rule calibration measured floors with), 0 = the rest. Generated RETAIN entries rank
+above floors because calibration measured every floor with the whole generated call present: a floor is only valid
+while the call stays (evicting it instead sends the model into repetition loops). RELEASE buckets' generated entries
+fall to the bottom once they are more than `release_window` tokens old. The decode step does one table lookup per
+token: no attention statistics. Scores stay exact in float32 (< 2**24) for positions below 2**16.
 
 Hyper-parameters: `sinks` (first positions kept, as StreamingLLM's attention sinks; 1 here, the SINK role),
 `rank` ("recency", or "dapq": inside a level, order prompt entries by DapQ's position-aware pseudo-query scores
@@ -33,8 +35,8 @@ from pask_jax.policy import PersistencePolicy
 from pask_jax.structure.roles import Role, num_roles
 
 POSITION_RANGE = 2**16
-PROTECT_LEVEL = 128
 PRIORITY_LEVELS = 64
+TIER = PRIORITY_LEVELS + 1  # levels per tier: 0 unprotected, 1 floor-protected prompt, 2 retained generated
 
 Table = tuple[tuple[float, ...], ...]  # [R][G]
 
@@ -84,8 +86,8 @@ class PaskKV(KVMethod):
             raise ValueError(f"PASK policy covers {len(self.layer_group)} layers, the model has {num_layers}")
         return np.asarray([self.group_fractions[g] for g in self.layer_group])
 
-    def _score(self, priority: jax.Array, roles: jax.Array, protected: jax.Array, positions: jax.Array) -> jax.Array:
-        level = PROTECT_LEVEL * protected + jnp.round(PRIORITY_LEVELS * priority[roles])
+    def _score(self, priority: jax.Array, roles: jax.Array, tier: jax.Array, positions: jax.Array) -> jax.Array:
+        level = TIER * tier + jnp.round(PRIORITY_LEVELS * priority[roles])
         return level * POSITION_RANGE + jnp.minimum(positions, POSITION_RANGE - 1)
 
     def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
@@ -97,7 +99,9 @@ class PaskKV(KVMethod):
         rank_from_end = jnp.take_along_axis(later, roles[..., None], -1)[..., 0]
         count = jnp.take_along_axis(onehot.sum(1), roles, -1)  # [B, T]
         protected = rank_from_end < jnp.ceil(floor[roles] * count)
-        score = jnp.where(ctx.positions < self.sinks, PROTECTED, self._score(priority, roles, protected, ctx.positions))
+        score = jnp.where(
+            ctx.positions < self.sinks, PROTECTED, self._score(priority, roles, 1 * protected, ctx.positions)
+        )
         return jnp.broadcast_to(score[:, None].astype(jnp.float32), (score.shape[0], ctx.kv_heads, score.shape[1]))
 
     def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
@@ -115,8 +119,8 @@ class PaskKV(KVMethod):
         return ranked
 
     def new_token_score(self, layer: int, position: jax.Array, role: jax.Array, kv_heads: int) -> jax.Array:
-        floor, priority, _ = self._bucket_tables(layer)
-        score = self._score(priority, role, floor[role] >= 0.5, position).astype(jnp.float32)
+        _, priority, retain = self._bucket_tables(layer)
+        score = self._score(priority, role, 2 * retain[role], position).astype(jnp.float32)
         return jnp.broadcast_to(score[:, None], (score.shape[0], kv_heads))
 
     def eviction_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
