@@ -110,10 +110,8 @@ def compile_table(
     kept = floor * weight
     value = np.asarray(stats.distortion_per_entry, np.float64) if use_distortion else np.ones((roles, groups))
     low, high = budget / GROUP_SHARE * total_per_group, min(1.0, GROUP_SHARE * budget) * total_per_group
-    for g in range(groups):
-        kept[:, g : g + 1] = _fill_by_value(
-            kept[:, g : g + 1], weight[:, g : g + 1], value[:, g : g + 1], high[g : g + 1], low[g] - kept[:, g].sum()
-        )
+    # With the lower bounds as caps and their total deficit as the amount, every group fills exactly its own deficit.
+    kept = _fill_by_value(kept, weight, value, low, np.maximum(low - kept.sum(0), 0.0).sum())
     kept = _fill_by_value(kept, weight, value, high, capacity - kept.sum())
     fractions = kept.sum(0) / np.maximum(total_per_group, 1e-9)
     fractions *= min(1.0, budget * layers.sum() / (fractions * layers).sum())  # float rounding never lifts the cap

@@ -135,20 +135,25 @@ def text_consistent(gold: Sequence[int], tokenizer, vocab_size: int) -> np.ndarr
     return pack_bits(sets, vocab_size)
 
 
-def prepare_example(item: dict, answer: dict | None, tokenizer, vocab_size: int, gold=None) -> Example:
+def prepare_example(
+    item: dict, answer: dict | None, tokenizer, vocab_size: int, gold=None, engine: Engine | None = None
+) -> Example:
     """Tokenise prompt and gold, label prompt roles, walk the grammar over the gold (ValueError if it refuses it).
 
-    `gold`: the target token ids (e.g. `own_call`); None renders the canonical ground truth `answer` instead."""
+    The gold: `gold` token ids if given; else the model's own call (`own_call`) when an `engine` is given; else the
+    canonical rendering of the ground truth `answer`."""
     functions = bfcl_python_functions(item["function"])
     prompt = bfcl_prompt(item)
     ids = np.asarray(tokenizer.encode(prompt), np.int32)
     roles = np.asarray(prompt_roles(prompt, tokenizer, functions), np.int32).copy()
     roles[0] = Role.SINK
     grammar = compile_grammar(functions, tokenizer, framing="tool_call")
-    if gold is None:
-        renderings = [tokenizer.encode(gold_text(item, answer, ensure_ascii)) for ensure_ascii in (True, False)]
-    else:
+    if gold is not None:
         renderings = [gold]
+    elif engine is not None:
+        renderings = [own_call(engine, ids, grammar)]
+    else:
+        renderings = [tokenizer.encode(gold_text(item, answer, ensure_ascii)) for ensure_ascii in (True, False)]
     for attempt, tokens in enumerate(np.asarray(r, np.int32) for r in renderings):
         constraint = GrammarConstraint([grammar], vocab_size)
         allowed, gold_roles = [], []
@@ -164,13 +169,10 @@ def prepare_example(item: dict, answer: dict | None, tokenizer, vocab_size: int,
     return Example(item["id"], ids, roles, tokens, np.asarray(gold_roles, np.int32), np.stack(allowed), consistent)
 
 
-def own_call(engine: Engine, item: dict, tokenizer, max_new_tokens: int = OWN_CALL_TOKENS) -> np.ndarray:
-    """i32[T]: the model's own greedy, grammar-constrained answer to `item` at full KV, end of turn included
+def own_call(engine: Engine, prompt: np.ndarray, grammar, max_new_tokens: int = OWN_CALL_TOKENS) -> np.ndarray:
+    """i32[T]: the model's own greedy answer to the prompt (i32[P]) under `grammar` at full KV, end of turn included
     (ValueError if it does not finish within `max_new_tokens`)."""
-    functions = bfcl_python_functions(item["function"])
-    grammar = compile_grammar(functions, tokenizer, framing="tool_call")
     constraint = GrammarConstraint([grammar], engine.cfg.vocab_size)
-    prompt = tokenizer.encode(bfcl_prompt(item))
     (gen,) = engine.generate([prompt], SamplingConfig(max_new_tokens=max_new_tokens), constraint=constraint)
     if gen.finish_reason != "stop":
         raise ValueError(f"own call unfinished after {max_new_tokens} tokens")
@@ -395,12 +397,10 @@ def calibrate(
         raise ValueError(f"evaluation items must never be calibrated on: {leaked[:5]}")
     vocab = model.config.vocab_size
     engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids) if target == "own" else None
-
-    def build(item: dict, answer: dict) -> Example:
-        gold = own_call(engine, item, tokenizer) if engine is not None else None
-        return prepare_example(item, answer, tokenizer, vocab, gold=gold)
-
-    examples = [(it["id"], functools.partial(build, it, a)) for it, a in items_with_answers]
+    examples = [
+        (it["id"], functools.partial(prepare_example, it, a, tokenizer, vocab, engine=engine))
+        for it, a in items_with_answers
+    ]
     return calibrate_examples(model, examples, target=target, **options)
 
 

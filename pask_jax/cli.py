@@ -101,7 +101,7 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> None:
     """Calibration statistics on the BFCL calibration split (or `--stats` from an earlier run) -> compiled policy."""
     from calibration.policy import compile_policy
-    from calibration.run import CalibrationStats, calibrate, calibration_items, init_distributed
+    from calibration.run import DEFAULT_LEVELS, CalibrationStats, calibrate, calibration_items, init_distributed
 
     init_distributed()  # multi-host pods: env-driven, a no-op on one machine
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -116,7 +116,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
             tokenizer,
             calibration_items(args.per_category),
             groups=args.groups,
-            levels=[float(x) for x in args.levels.split(",")],
+            levels=[float(x) for x in args.levels.split(",")] if args.levels else DEFAULT_LEVELS,
             target=args.target,
             checkpoint_dir=args.checkpoint,
         )
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budgets", default="0.2,0.33,0.5")
     p.add_argument("--per-category", type=int, default=8, help="calibration items per BFCL category")
     p.add_argument("--groups", type=int, default=4, help="layer groups")
-    p.add_argument("--levels", default="0,0.25,0.5,0.75", help="keep levels measured per bucket (must include 0)")
+    p.add_argument("--levels", help="comma-separated keep levels per bucket, 0 included (default: DEFAULT_LEVELS)")
     p.add_argument(
         "--target",
         default="own",

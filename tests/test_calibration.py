@@ -368,11 +368,11 @@ def test_own_call_target_is_right_at_full_kv():
     model = Qwen3(ModelConfig.tiny(vocab_size=vocab, hidden_size=32, num_layers=LAYERS), rngs=nnx.Rngs(0))
     engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids)
     item, answer = calibration_items(1, ("simple_python",))[0]
-    with pytest.raises(ValueError, match="unfinished after 3 tokens"):  # a call takes more than 3 tokens
-        own_call(engine, item, tokenizer, max_new_tokens=3)
-    # A random model rarely ends its call: take its first 24 greedy tokens (the property holds for any prefix).
     grammar = compile_grammar(bfcl_python_functions(item["function"]), tokenizer, framing="tool_call")
     prompt = tokenizer.encode(bfcl_prompt(item))
+    with pytest.raises(ValueError, match="unfinished after 3 tokens"):  # a call takes more than 3 tokens
+        own_call(engine, prompt, grammar, max_new_tokens=3)
+    # A random model rarely ends its call: take its first 24 greedy tokens (the property holds for any prefix).
     (gen,) = engine.generate(
         [prompt], SamplingConfig(max_new_tokens=24), constraint=GrammarConstraint([grammar], vocab)
     )
