@@ -97,10 +97,20 @@ def split_items(category: str) -> tuple[list[dict], list[dict]]:
 
 def evaluation_sample(category: str, offset: int = 0, limit: int | None = 25) -> list[dict]:
     """Evaluation items offset..offset+limit-1 of one category (fewer at its end; limit None: all from offset)."""
+    return _slice(split_items(category)[1], offset, limit)
+
+
+def dev_sample(category: str, offset: int = 8, limit: int | None = 25) -> list[dict]:
+    """Calibration-split items offset..offset+limit-1 of one category: a development set for tuning a method (e.g.
+    a policy compiler's options) without looking at evaluation items. Its scores are never reported as results; the
+    default offset leaves the first 8, which `pask-jax calibrate` fits on by default, alone."""
+    return _slice(split_items(category)[0], offset, limit)
+
+
+def _slice(items: list[dict], offset: int, limit: int | None) -> list[dict]:
     if offset < 0 or (limit is not None and limit < 0):
         raise ValueError(f"offset and limit must be >= 0, got offset={offset}, limit={limit}")
-    evaluation = split_items(category)[1]
-    return evaluation[offset:] if limit is None else evaluation[offset : offset + limit]
+    return items[offset:] if limit is None else items[offset : offset + limit]
 
 
 # ---- canonical gold calls -------------------------------------------------------------------------------------------

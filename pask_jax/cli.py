@@ -65,6 +65,7 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         framing=args.framing,
+        split=args.split,
     )
     from pask_jax.methods import load_method_config
     from pask_jax.policy import PersistencePolicy
@@ -125,6 +126,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         stats,
         budgets,
         tolerance=args.tolerance,
+        floor_share=args.floor_share,
         ablation=args.ablation,
         notes=f"pask-jax calibrate {' '.join(sys.argv[2:])}",
     )
@@ -181,8 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--budget", default="1.0", help="total KV budget(s) in (0, 1], comma-separated")
     p.add_argument("--categories", default="all", help="'all' or comma-separated BFCL categories")
-    p.add_argument("--offset", type=int, default=0, help="first evaluation item of each category")
-    p.add_argument("--limit", type=int, default=25, help="evaluation items per category")
+    p.add_argument("--offset", type=int, default=0, help="first item of each category (of the split)")
+    p.add_argument("--limit", type=int, default=25, help="items per category")
+    p.add_argument(
+        "--split",
+        default="evaluation",
+        choices=("evaluation", "dev"),
+        help="evaluation items (reported results), or dev: calibration-split items for tuning, past those the "
+        "policies were calibrated on (e.g. --offset 8)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--framing", default="tool_call", choices=["tool_call", "json_fence"])
@@ -209,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--tolerance", type=float, default=0.02, help="task-error increase a floor may allow")
     p.add_argument("--checkpoint", help="orbax progress directory (rerun to resume)")
+    p.add_argument(
+        "--floor-share", type=float, default=1.0, help="fraction of a layer group's share its floors may take"
+    )
     p.add_argument("--stats", help="compile from saved calibration statistics instead of calibrating")
     p.add_argument("--ablation", default="none", choices=ABLATIONS, help="compile an ablated policy (issue #6)")
     p.add_argument("--out", required=True, help="policy directory, e.g. policies/qwen2.5-coder-0.5b")

@@ -2,9 +2,11 @@
 
     pask-jax bfcl --model qwen2.5-coder-0.5b --methods full --budget 1.0 --categories all --limit 25 --out r.json
 
-Items come from the evaluation side of the fixed split (`bfcl.evaluation_sample`); calibration items are never
-scored. Each batch gets one compiled grammar per item (its own functions), the prompt roles of its tokens, and
-the engine's per-request statistics (kept/full KV ratios, token counts, times).
+Items come from the evaluation side of the fixed split (`bfcl.evaluation_sample`). `split="dev"` scores
+calibration-split items instead (`bfcl.dev_sample`), for tuning a method without looking at evaluation items; a dev
+run refuses items that a given policy was calibrated on, and its scores are never reported as results.
+Each batch gets one compiled grammar per item (its own functions), the prompt roles of its tokens, and the engine's
+per-request statistics (kept/full KV ratios, token counts, times).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pask_jax.policy import PersistencePolicy
 from pask_jax.structure.grammar import GrammarConstraint, compile_grammar
 from pask_jax.structure.prompt_roles import prompt_roles
 
+SPLITS = ("evaluation", "dev")
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
@@ -38,11 +42,20 @@ class EvalConfig:
     max_new_tokens: int = 256
     framing: str = "tool_call"
     num_groups: int = 4
+    split: str = "evaluation"  # or "dev": calibration-split items, for tuning
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"split={self.split!r}; choose one of {', '.join(SPLITS)}")
+
+    def sample(self, category: str) -> list[dict]:
+        sample = bfcl.dev_sample if self.split == "dev" else bfcl.evaluation_sample
+        return sample(category, self.offset, self.limit)
 
 
-def _item_result(item: dict, answer: dict, gen, tokenizer: Tokenizer) -> dict:
+def _item_result(item: dict, answer: dict, gen, tokenizer: Tokenizer, dev: bool) -> dict:
     text = tokenizer.decode(gen.tokens)
-    valid, error_type, _ = bfcl.score_text(item, answer, text)
+    valid, error_type, _ = bfcl.score_text(item, answer, text, allow_calibration=dev)
     return {
         "id": item["id"],
         "text": text,
@@ -88,7 +101,7 @@ def run_category(
     progress: tqdm | None = None,
 ) -> list[dict]:
     """One category through every engine; each batch's grammars, prompt roles and prefill are shared by all."""
-    items = bfcl.evaluation_sample(category, cfg.offset, cfg.limit)
+    items = cfg.sample(category)
     answers = bfcl.load_answers(category)
     texts = [bfcl_prompt(item) for item in items]
     prompts = [tokenizer.encode(text) for text in texts]
@@ -108,11 +121,12 @@ def run_category(
             prompt_roles=roles,
             constraints=constraints,
         )
+        dev = cfg.split == "dev"
         for key, gens, constraint in zip(engines, outputs, constraints, strict=True):
             t = timing[key]
             t[0] += constraint.mask_s + constraint.advance_s
             for k, i in enumerate(idx):
-                results[key][i] = _item_result(items[i], answers[items[i]["id"]], gens[k], tokenizer)
+                results[key][i] = _item_result(items[i], answers[items[i]["id"]], gens[k], tokenizer, dev)
                 t[1] += sum(gens[k].stats.token_times_s)
                 t[2] += len(gens[k].stats.token_times_s)
             # the shared prefill plus this engine's decode steps (the longest sequence saw every step)
@@ -172,9 +186,13 @@ def run_bfcl(
     policies = policies or {}
     for policy in policies.values():
         policy.check_compatible(model_name, model.config.num_layers)
+    for label, policy in policies.items():
+        seen = {it["id"] for c in cfg.categories for it in cfg.sample(c)} & set(policy.calibration_items)
+        if seen:
+            raise ValueError(f"policy {label!r} was calibrated on {sorted(seen)[:3]}...: pick a dev --offset past them")
     method_config = method_config or {}
     engines = build_engines(model, tokenizer, cfg, method_config, policies)
-    total = sum(len(bfcl.evaluation_sample(c, cfg.offset, cfg.limit)) for c in cfg.categories) * len(engines)
+    total = sum(len(cfg.sample(c)) for c in cfg.categories) * len(engines)
     config = dataclasses.asdict(cfg) | {"method_config": method_config}
     config["policies"] = {
         label: {"model": p.model, "groups": p.groups, "budgets": [t.budget for t in p.tables], "notes": p.notes}

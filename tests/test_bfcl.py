@@ -248,3 +248,11 @@ def test_summarize():
     partial = bfcl.summarize({k: per[k] for k in bfcl.NON_LIVE})
     assert partial == {"non_live": pytest.approx(0.5), "live": None, "overall": None}
     assert bfcl.summarize({**per, "multiple": (0, 0)})["non_live"] is None
+
+
+def test_dev_sample_is_the_calibration_side():
+    calibration = bfcl.split_items("multiple")[0]
+    assert bfcl.dev_sample("multiple", offset=8, limit=5) == calibration[8:13]
+    assert all(bfcl.is_calibration(it["id"]) for it in bfcl.dev_sample("live_simple", 0, None))
+    with pytest.raises(ValueError, match="offset"):
+        bfcl.dev_sample("multiple", offset=-2)

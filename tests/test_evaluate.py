@@ -9,6 +9,7 @@ from pask_jax import bfcl
 from pask_jax.evaluate import EvalConfig, format_table, run_bfcl
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.models.tokenizer import qwen_tokenizer
+from pask_jax.policy import PersistencePolicy
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +35,21 @@ def test_run_bfcl_shape_and_split(tiny_qwen: Qwen3):
             )
     assert len(result["summary"]) == 2 and result["summary"][0]["overall"] is None  # one category: no 8-way mean
     assert "| full | 1 |" in format_table(result, ("simple_python",))
+
+
+def test_dev_split_scores_calibration_items_and_refuses_a_policys_own(tiny_qwen: Qwen3):
+    cfg = EvalConfig(categories=("simple_python",), offset=2, limit=1, max_new_tokens=8, split="dev")
+    result = run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg)
+    (item,) = result["runs"][0]["items"]
+    assert item["id"] == bfcl.split_items("simple_python")[0][2]["id"] and bfcl.is_calibration(item["id"])
+    policy = PersistencePolicy(
+        model="tiny",
+        num_layers=tiny_qwen.config.num_layers,
+        groups=2,
+        tables=(),
+        calibration_items=(item["id"],),
+    )
+    with pytest.raises(ValueError, match="was calibrated on"):
+        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg, policies={"pask": policy})
+    with pytest.raises(ValueError, match="split"):
+        EvalConfig(split="test")
