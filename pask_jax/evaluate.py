@@ -106,6 +106,7 @@ def run_category(
     texts = [bfcl_prompt(item) for item in items]
     prompts = [tokenizer.encode(text) for text in texts]
     order = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths share a batch: less padding
+    dev = cfg.split == "dev"
     results = {key: [None] * len(items) for key in engines}
     timing = {key: [0.0, 0.0, 0, 0.0] for key in engines}  # parser s, decode s, steps, wall s
     for start in range(0, len(items), cfg.batch_size):
@@ -121,7 +122,6 @@ def run_category(
             prompt_roles=roles,
             constraints=constraints,
         )
-        dev = cfg.split == "dev"
         for key, gens, constraint in zip(engines, outputs, constraints, strict=True):
             t = timing[key]
             t[0] += constraint.mask_s + constraint.advance_s
@@ -184,15 +184,14 @@ def run_bfcl(
 
     `on_category` gets the result so far after each category (long runs save partial results with it)."""
     policies = policies or {}
-    for policy in policies.values():
-        policy.check_compatible(model_name, model.config.num_layers)
+    sample_ids = {item["id"] for category in cfg.categories for item in cfg.sample(category)}
     for label, policy in policies.items():
-        seen = {it["id"] for c in cfg.categories for it in cfg.sample(c)} & set(policy.calibration_items)
-        if seen:
-            raise ValueError(f"policy {label!r} was calibrated on {sorted(seen)[:3]}...: pick a dev --offset past them")
+        policy.check_compatible(model_name, model.config.num_layers)
+        if seen := sorted(sample_ids & set(policy.calibration_items)):  # only a dev sample can overlap
+            raise ValueError(f"policy {label!r} was calibrated on {', '.join(seen[:3])}: pick a dev --offset past them")
     method_config = method_config or {}
     engines = build_engines(model, tokenizer, cfg, method_config, policies)
-    total = sum(len(cfg.sample(c)) for c in cfg.categories) * len(engines)
+    total = len(sample_ids) * len(engines)
     config = dataclasses.asdict(cfg) | {"method_config": method_config}
     config["policies"] = {
         label: {"model": p.model, "groups": p.groups, "budgets": [t.budget for t in p.tables], "notes": p.notes}
