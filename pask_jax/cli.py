@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from pask_jax.bfcl import SPLITS
 from pask_jax.models.fetch import MODELS, FetchError, fetch_model
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--split",
         default="evaluation",
-        choices=("evaluation", "dev"),
+        choices=SPLITS,
         help="evaluation items (reported results), or dev: calibration-split items for tuning, past those the "
         "policies were calibrated on (e.g. --offset 8)",
     )

@@ -28,8 +28,6 @@ from pask_jax.policy import PersistencePolicy
 from pask_jax.structure.grammar import GrammarConstraint, compile_grammar
 from pask_jax.structure.prompt_roles import prompt_roles
 
-SPLITS = ("evaluation", "dev")
-
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
@@ -45,8 +43,8 @@ class EvalConfig:
     split: str = "evaluation"  # or "dev": calibration-split items, for tuning
 
     def __post_init__(self) -> None:
-        if self.split not in SPLITS:
-            raise ValueError(f"split={self.split!r}; choose one of {', '.join(SPLITS)}")
+        if self.split not in bfcl.SPLITS:
+            raise ValueError(f"split={self.split!r}; choose one of {', '.join(bfcl.SPLITS)}")
 
     def sample(self, category: str) -> list[dict]:
         sample = bfcl.dev_sample if self.split == "dev" else bfcl.evaluation_sample
