@@ -3,7 +3,8 @@
 1. Floors from task-error sensitivity: `floor[r, g]` is the smallest calibrated keep level whose task-error increase
    stays within `tolerance` (1.0 if none does). Each bucket's floor is measured with every other bucket present, so
    floors add up: if a group's floors cost more than `floor_share` of its share of the budget, the floors of the
-   least sensitive buckets are lowered first.
+   least sensitive buckets per entry-layer are lowered first (a large bucket that barely matters, like tool
+   descriptions, gives way before a small one that breaks calls, like tool names).
 2. The remaining capacity is shared by attention-output distortion per removed entry: a fractional knapsack over
    buckets (value = distortion per entry, weight = entries x layers), solved greedily in order of value density,
    with each layer group's share bounded to [budget / 2, 2 x budget] of its entries (first every group reaches its
@@ -99,10 +100,11 @@ def compile_table(
         within = np.asarray(stats.task_error) <= tolerance  # [R, G, Λ]
         first_ok = np.where(within.any(-1), levels[np.argmax(within, -1)], 1.0)
         floor = np.where(entries > 0, first_ok, 0.0)
-        sensitivity = np.asarray(stats.task_error)[..., 0]  # error increase when the bucket is removed
+        # Error increase when the bucket is removed, per entry-layer it would cost to keep.
+        sensitivity = np.asarray(stats.task_error)[..., 0] / np.maximum(weight, 1e-9)
         for g in range(groups):
             share = floor_share * budget * total_per_group[g]
-            for r in np.argsort(sensitivity[:, g]):  # least sensitive floors give way first
+            for r in np.argsort(sensitivity[:, g], kind="stable"):  # least sensitive floors give way first
                 excess = (floor[:, g] * weight[:, g]).sum() - share
                 if excess <= 0:
                     break

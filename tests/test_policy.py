@@ -75,6 +75,17 @@ def test_infeasible_floors_give_way_least_sensitive_first():
     assert ((table.floor * stats.entries).sum(0) <= 0.2 * stats.entries.sum(0) + 1e-6).all()
 
 
+def test_floors_give_way_per_entry():
+    """A large bucket whose removal hurts more in total but less per entry (descriptions) yields to a small one."""
+    stats = synthetic_stats()
+    stats.task_error[Role.DESCRIPTION] = [[0.4, 0.4, 0.4, 0.4]] * G  # wants floor 1.0: 60 of 140 entries
+    stats.task_error[Role.TOOL_NAME] = [[0.3, 0.3, 0.3, 0.3]] * G  # wants floor 1.0: 5 entries
+    table = compile_table(stats, 0.33)
+    assert table.floor[Role.TOOL_NAME].tolist() == [1.0, 1.0] and (table.floor[Role.DESCRIPTION] < 1.0).all()
+    floor_cost = (table.floor * stats.entries).sum(0)
+    assert (floor_cost <= 0.33 * stats.entries.sum(0) + 1e-6).all()
+
+
 def test_floors_stay_within_floor_share():
     stats = synthetic_stats()
     for floor_share in (0.0, 0.25):
@@ -82,9 +93,11 @@ def test_floors_stay_within_floor_share():
         floor_cost = (table.floor * stats.entries).sum(0)
         assert (floor_cost <= floor_share * 0.2 * stats.entries.sum(0) + 1e-6).all()
         assert table.group_fractions.mean() == pytest.approx(0.2, abs=1e-3)  # the rest goes by distortion
-    table = compile_table(stats, 0.2, floor_share=0.25)  # 7 of 28 entries per group: tool names give way first
-    np.testing.assert_allclose(table.floor[Role.USER_TEXT], 7 / 15, atol=1e-6)
-    assert (table.floor[Role.TOOL_NAME] == 0).all()
+    # 7 of 28 entries per group. Per entry, user text (0.5 / 15) is less sensitive than tool names (0.3 / 5): it
+    # gives way first, down to (7 - 0.25 x 5) / 15.
+    table = compile_table(stats, 0.2, floor_share=0.25)
+    np.testing.assert_allclose(table.floor[Role.USER_TEXT], 5.75 / 15, atol=1e-6)
+    assert table.floor[Role.TOOL_NAME].tolist() == [0.25, 0.25]
     with pytest.raises(ValueError, match="floor_share"):
         compile_table(stats, 0.33, floor_share=1.5)
 
