@@ -95,11 +95,11 @@ def run_category(
     engines: dict[tuple[str, float], Engine],
     tokenizer: Tokenizer,
     category: str,
+    items: list[dict],  # the category's sample (`cfg.sample(category)`)
     cfg: EvalConfig,
     progress: tqdm | None = None,
 ) -> list[dict]:
     """One category through every engine; each batch's grammars, prompt roles and prefill are shared by all."""
-    items = cfg.sample(category)
     answers = bfcl.load_answers(category)
     texts = [bfcl_prompt(item) for item in items]
     prompts = [tokenizer.encode(text) for text in texts]
@@ -182,7 +182,8 @@ def run_bfcl(
 
     `on_category` gets the result so far after each category (long runs save partial results with it)."""
     policies = policies or {}
-    sample_ids = {item["id"] for category in cfg.categories for item in cfg.sample(category)}
+    samples = {category: cfg.sample(category) for category in cfg.categories}
+    sample_ids = {item["id"] for items in samples.values() for item in items}
     for label, policy in policies.items():
         policy.check_compatible(model_name, model.config.num_layers)
         if seen := sorted(sample_ids & set(policy.calibration_items)):  # only a dev sample can overlap
@@ -197,8 +198,8 @@ def run_bfcl(
     }
     runs = []
     with tqdm(total=total, desc="bfcl", unit="generation") as progress:
-        for category in cfg.categories:
-            runs += run_category(engines, tokenizer, category, cfg, progress)
+        for category, items in samples.items():
+            runs += run_category(engines, tokenizer, category, items, cfg, progress)
             # Every category brings new length buckets, so new executables for each engine; a sweep that kept them
             # all would exhaust the process's memory maps (vm.max_map_count) on CPU. Repeated shapes come back from
             # the persistent compile cache.
