@@ -1,5 +1,6 @@
 """Markdown report of `pask-jax bfcl` results: accuracy per category and the three means, kept/full KV, and where
-the errors come from (bfcl-eval's error types, and how many runs hit the token limit), per (method, budget).
+the errors come from (bfcl-eval's error types, and how many runs hit the token limit), per (method, budget), and
+which of full KV's correct calls each compressed run loses (and which of full KV's errors it gets right).
 
     python scripts/bfcl_report.py results/bfcl_sweep_limit8.json [more.json ...] [--budget 0.33]
 """
@@ -43,6 +44,27 @@ def error_table(runs: list[dict], budget: float | None) -> str:
     return "\n".join(lines)
 
 
+def versus_full_table(runs: list[dict], budget: float | None) -> str:
+    """Per (method, budget): items full KV gets right and the method wrong (lost, by error type), and the reverse."""
+    full = {i["id"]: i["valid"] for r in runs if r["method"] == "full" for i in r["items"]}
+    if not full:
+        return "(no full KV run to compare with)"
+    lines = ["| method | budget | lost | gained | lost by error type |", "|---|---|---|---|---|"]
+    for key in dict.fromkeys((r["method"], r["budget"]) for r in runs if r["method"] != "full"):
+        if budget is not None and key[1] != budget:
+            continue
+        items = [i for r in runs if (r["method"], r["budget"]) == key for i in r["items"] if i["id"] in full]
+        lost = [i for i in items if full[i["id"]] and not i["valid"]]
+        gained = sum(i["valid"] and not full[i["id"]] for i in items)
+        kinds = Counter(i["error_type"] or "none" for i in lost).most_common()
+        lines.append(
+            f"| {key[0]} | {key[1]:g} | {len(lost)}/{len(items)} | {gained} | "
+            + ", ".join(f"{k} {n}" for k, n in kinds)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", type=Path)
@@ -54,6 +76,7 @@ def main() -> None:
     print("### Accuracy (%)\n\n" + format_table(result, categories))
     print("\n### KV kept\n\n" + kept_table(runs))
     print("\n### Errors of the wrong items (bfcl-eval error types)\n\n" + error_table(runs, args.budget))
+    print("\n### Against full KV (same items)\n\n" + versus_full_table(runs, args.budget))
 
 
 if __name__ == "__main__":
