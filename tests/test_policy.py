@@ -186,6 +186,24 @@ def test_shipped_policy_loads_and_obeys_its_budgets():
         assert np.isclose(method.layer_fractions(24, table.budget).mean(), table.group_fractions.mean())
 
 
+@pytest.mark.parametrize("ablation", ["none", "no_distortion", "one_role", "one_group"])
+def test_shipped_policies_recompile_from_their_statistics(ablation: str):
+    """The README's recompile command gives the committed tables: a compiler change that would alter the shipped
+    policy (and so the published PASK numbers) must come with a recompiled policy."""
+    from calibration.run import CalibrationStats
+
+    repo = Path(__file__).parents[1]
+    stats = CalibrationStats.load(repo / "results" / "calibration_qwen2.5-coder-0.5b_own16.json")
+    name = "qwen2.5-coder-0.5b" if ablation == "none" else f"qwen2.5-coder-0.5b-ablations/{ablation}"
+    shipped = PersistencePolicy.load(repo / "policies" / name)
+    budgets = [t.budget for t in shipped.tables]
+    assert budgets == [0.2, 0.33, 0.5]
+    recompiled = compile_policy(stats, budgets, ablation=ablation)
+    for ours, theirs in zip(recompiled.tables, shipped.tables, strict=True):
+        for field in ("floor", "priority", "retain", "group_fractions"):
+            np.testing.assert_allclose(getattr(ours, field), getattr(theirs, field), atol=1e-6, err_msg=field)
+
+
 def test_retained_call_outranks_floors_and_released_entries_leave_first():
     """Order of eviction (lowest score leaves first): released generated < unprotected prompt < floor-protected
     prompt < the generated call of RETAIN buckets (floors were calibrated with the whole call present)."""
