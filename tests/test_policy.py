@@ -186,7 +186,7 @@ def test_shipped_policy_loads_and_obeys_its_budgets():
         assert np.isclose(method.layer_fractions(24, table.budget).mean(), table.group_fractions.mean())
 
 
-@pytest.mark.parametrize("ablation", ["none", "no_distortion", "one_role", "one_group"])
+@pytest.mark.parametrize("ablation", ["none", "no_floors", "no_distortion", "one_role", "one_group"])
 def test_shipped_policies_recompile_from_their_statistics(ablation: str):
     """The README's recompile command gives the committed tables: a compiler change that would alter the shipped
     policy (and so the published PASK numbers) must come with a recompiled policy."""
