@@ -43,8 +43,8 @@ CATEGORIES = (
     "live_parallel_multiple",
 )
 NON_LIVE = CATEGORIES[:4]
-SPLITS = ("evaluation", "dev")  # what `pask-jax bfcl --split` scores: evaluation_sample or dev_sample
 LIVE = CATEGORIES[4:]
+SPLITS = ("evaluation", "dev")  # what `pask-jax bfcl --split` scores: evaluation_sample or dev_sample
 INSTALL_HINT = "pip install --no-deps bfcl-eval==2026.3.23"
 # Golds that no call can satisfy under bfcl-eval 2026.3.23's checker (an empty allowed-value list for a required
 # argument, or a gold argument the function does not declare): every model scores 0 on them.

@@ -17,6 +17,7 @@ from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.policy import PersistencePolicy, PolicyError
 from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
 
+REPO = Path(__file__).parents[1]
 R, G = num_roles(), 2
 LEVELS = (0.0, 0.25, 0.5, 0.75)
 
@@ -172,7 +173,7 @@ def test_floors_respected_online():
 
 
 def test_shipped_policy_loads_and_obeys_its_budgets():
-    path = Path(__file__).parents[1] / "policies" / "qwen2.5-coder-0.5b"
+    path = REPO / "policies" / "qwen2.5-coder-0.5b"
     policy = PersistencePolicy.load(path)
     policy.check_compatible("qwen2.5-coder-0.5b", 24)
     assert policy.groups == 4 and policy.calibration_items
@@ -192,10 +193,9 @@ def test_shipped_policies_recompile_from_their_statistics(ablation: str):
     policy (and so the published PASK numbers) must come with a recompiled policy."""
     from calibration.run import CalibrationStats
 
-    repo = Path(__file__).parents[1]
-    stats = CalibrationStats.load(repo / "results" / "calibration_qwen2.5-coder-0.5b_own16.json")
+    stats = CalibrationStats.load(REPO / "results" / "calibration_qwen2.5-coder-0.5b_own16.json")
     name = "qwen2.5-coder-0.5b" if ablation == "none" else f"qwen2.5-coder-0.5b-ablations/{ablation}"
-    shipped = PersistencePolicy.load(repo / "policies" / name)
+    shipped = PersistencePolicy.load(REPO / "policies" / name)
     budgets = [t.budget for t in shipped.tables]
     assert budgets == [0.2, 0.33, 0.5]
     recompiled = compile_policy(stats, budgets, ablation=ablation)
