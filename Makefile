@@ -25,8 +25,8 @@ demo: venv
 		--limit 2 --max-new-tokens 96 --out results/demo_bfcl.json
 
 test: venv
-	$(VENV)/bin/ruff check pask_jax calibration tests scripts
+	$(VENV)/bin/ruff check pask_jax tests scripts
 	$(PY) -m pytest -q
 
 lint: venv
-	$(VENV)/bin/ruff format --check pask_jax calibration tests scripts
+	$(VENV)/bin/ruff format --check pask_jax tests scripts

@@ -24,17 +24,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pask_jax.kernels.gather_attention import DEFAULT_BLOCK_SIZE, gather_attention_kernel
-
-
-def layer_groups(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...]:
-    """Consecutive layer ranges [start, stop), as equal as possible (earlier groups get the extra layer)."""
-    if not 1 <= num_groups <= num_layers:
-        raise ValueError(f"num_groups={num_groups} must be between 1 and num_layers={num_layers}")
-    bounds = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(num_layers), num_groups)])
-    return tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:

@@ -102,8 +102,14 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     """Calibration statistics on the BFCL calibration split (or `--stats` from an earlier run) -> compiled policy."""
-    from calibration.policy import compile_policy
-    from calibration.run import DEFAULT_LEVELS, CalibrationStats, calibrate, calibration_items, init_distributed
+    from pask_jax.calibration.compiler import compile_policy
+    from pask_jax.calibration.run import (
+        DEFAULT_LEVELS,
+        CalibrationStats,
+        calibrate,
+        calibration_items,
+        init_distributed,
+    )
 
     init_distributed()  # multi-host pods: env-driven, a no-op on one machine
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -161,7 +167,7 @@ def enable_compile_cache() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from calibration.policy import ABLATIONS
+    from pask_jax.calibration.compiler import ABLATIONS
 
     parser = argparse.ArgumentParser(prog="pask-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pask_jax.cache import GroupCache, layer_groups
+from pask_jax.cache import GroupCache
+from pask_jax.layers import layer_groups
 from pask_jax.methods import FullKV, KVMethod
 from pask_jax.methods.base import PrefillContext, budget_capacity
 from pask_jax.models.qwen3 import ModelConfig, Qwen3, attention, attention_probs

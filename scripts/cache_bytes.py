@@ -14,7 +14,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from pask_jax.cache import GroupCache, layer_groups
+from pask_jax.cache import GroupCache
+from pask_jax.layers import layer_groups
 from pask_jax.methods.base import budget_capacity
 from pask_jax.models.qwen3 import PRESETS
 

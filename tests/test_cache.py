@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pask_jax.cache import GroupCache, layer_groups, pool_attention
+from pask_jax.cache import GroupCache, pool_attention
 from pask_jax.kernels.gather_attention import ref_gather_attention
+from pask_jax.layers import layer_groups
 from pask_jax.methods.base import budget_capacity
 
 B, K, C, H = 2, 3, 8, 4

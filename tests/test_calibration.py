@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from calibration.passes import (
+from pask_jax.calibration.passes import (
     NO_ROLE,
     PassPlan,
     baseline_pass,
@@ -27,8 +27,8 @@ from calibration.passes import (
     teacher_force,
     variant_pass,
 )
-from calibration.run import CalibrationStats, Example, calibrate_examples, item_arrays, pack_bits
-from pask_jax.cache import layer_groups
+from pask_jax.calibration.run import CalibrationStats, Example, calibrate_examples, item_arrays, pack_bits
+from pask_jax.layers import layer_groups
 from pask_jax.models.qwen3 import ModelConfig, Qwen3, attention
 from pask_jax.structure.roles import GENERATED_ROLES, PROMPT_ROLES, Role, num_roles
 
@@ -316,8 +316,8 @@ def test_sharded_over_8_devices_matches_single_device():
 
 def test_end_to_end_real_bfcl_items():
     pytest.importorskip("bfcl_eval")
-    from calibration.run import calibrate, calibration_items, prepare_example
     from pask_jax.bfcl import load_answers, load_category, split_items
+    from pask_jax.calibration.run import calibrate, calibration_items, prepare_example
     from pask_jax.models.tokenizer import qwen_tokenizer
 
     tokenizer, vocab = qwen_tokenizer(), 151936
@@ -358,7 +358,7 @@ def test_own_call_target_is_right_at_full_kv():
     """The engine's greedy constrained call, teacher-forced by the passes, has baseline error 0: the passes'
     argmax under the grammar reproduces every token the engine decoded (own-call targets are right by construction)."""
     pytest.importorskip("bfcl_eval")
-    from calibration.run import calibration_items, own_call, prepare_example
+    from pask_jax.calibration.run import calibration_items, own_call, prepare_example
     from pask_jax.engine import Engine, SamplingConfig
     from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions
     from pask_jax.models.tokenizer import qwen_tokenizer

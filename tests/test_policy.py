@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from calibration.policy import compile_policy, compile_table, pooled_stats
+from pask_jax.calibration.compiler import compile_policy, compile_table, pooled_stats
 from pask_jax.engine import Engine
 from pask_jax.methods.pask import PaskKV
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
@@ -191,7 +191,7 @@ def test_shipped_policy_loads_and_obeys_its_budgets():
 def test_shipped_policies_recompile_from_their_statistics(ablation: str):
     """The README's recompile command gives the committed tables: a compiler change that would alter the shipped
     policy (and so the published PASK numbers) must come with a recompiled policy."""
-    from calibration.run import CalibrationStats
+    from pask_jax.calibration.run import CalibrationStats
 
     stats = CalibrationStats.load(REPO / "results" / "calibration_qwen2.5-coder-0.5b_own16.json")
     name = "qwen2.5-coder-0.5b" if ablation == "none" else f"qwen2.5-coder-0.5b-ablations/{ablation}"

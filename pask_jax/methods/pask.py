@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pask_jax.cache import layer_groups
+from pask_jax.layers import layer_groups
 from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
 from pask_jax.methods.dapq import DapQ
 from pask_jax.policy import PersistencePolicy

@@ -26,7 +26,7 @@ import copy
 
 import numpy as np
 
-from pask_jax.cache import layer_groups
+from pask_jax.layers import layer_groups
 from pask_jax.policy import PersistencePolicy, PolicyTable
 
 GROUP_SHARE = 2.0  # a layer group keeps between budget / GROUP_SHARE and GROUP_SHARE x budget of its entries

@@ -41,10 +41,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from calibration.passes import NO_ROLE, ItemArrays, PassPlan, baseline_pass, removed_entries, variant_pass
 from pask_jax.bfcl import CATEGORIES, canonical_calls, is_calibration, load_answers, split_items
-from pask_jax.cache import layer_groups
+from pask_jax.calibration.passes import NO_ROLE, ItemArrays, PassPlan, baseline_pass, removed_entries, variant_pass
 from pask_jax.engine import Engine, SamplingConfig
+from pask_jax.layers import layer_groups
 from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions, format_tool_call
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.structure.grammar import GrammarConstraint, compile_grammar

@@ -1,0 +1,11 @@
+"""Offline calibration of PASK persistence policies (task-error sensitivity, attention-output distortion per bucket).
+
+Sits above `pask_jax.bfcl` in the dependency order (DESIGN.md section 2), inside the package so that an installed
+wheel has it; the CLI imports it only for `pask-jax calibrate`.
+
+- `pask_jax.calibration.passes`: the jitted passes for one item: prefill the prompt once, then teacher-force its gold
+  call with a (role, layer group) bucket's entries removed, or only a recent fraction kept, many variants per batch.
+- `pask_jax.calibration.run`: calibration items -> gold calls with roles -> passes (sharded over a device mesh, orbax
+  checkpoints to resume) -> `CalibrationStats`.
+- `pask_jax.calibration.compiler`: `CalibrationStats` -> persistence policy tables per budget.
+"""
