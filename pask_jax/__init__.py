@@ -1,31 +1,66 @@
 """pask-jax: parser-aware structural KV persistence for structured generation in JAX.
 
-Public entry points:
+Public entry points (imported on first use, so `pask-jax fetch-model` and `--help` load no JAX):
+- `LLM(model, method="pask", budget=0.33, policy="auto")`: OpenAI chat-completions requests in, `chat.completion`
+  objects out, with grammar-constrained tool calls and a budget-sized KV cache.
 - `load_model(path_or_name)`: an HF checkpoint directory, a `.gguf` file, or a fetched model's name.
 - `load_tokenizer(path_or_name)`: the matching tokenizer (or "qwen": the Qwen2/2.5/3 tokenizer built offline).
-- `Engine`: batched prefill + jitted decode over a ragged, budget-sized KV cache.
+- `Engine`: batched prefill + jitted decode over a ragged, budget-sized KV cache; `make_engine` builds one from a
+  method name, budget and policy together.
 - `generate_shared(engines, prompts)`: several engines over one model share the prompt forward (method sweeps).
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pask_jax.engine import Engine, Generation, SamplingConfig, generate_shared
-from pask_jax.models.fetch import MODELS, fetch_model, resolve_model_path
-from pask_jax.models.loading import load_model
-from pask_jax.models.qwen3 import PRESETS, ModelConfig, Qwen3
-from pask_jax.models.tokenizer import Tokenizer, load_tokenizer_from_path, qwen_tokenizer
+_EXPORTS = {
+    "LLM": "pask_jax.llm",
+    "make_engine": "pask_jax.factory",
+    "Engine": "pask_jax.engine",
+    "Generation": "pask_jax.engine",
+    "SamplingConfig": "pask_jax.engine",
+    "generate_shared": "pask_jax.engine",
+    "MODELS": "pask_jax.models.fetch",
+    "fetch_model": "pask_jax.models.fetch",
+    "resolve_model_path": "pask_jax.models.fetch",
+    "load_model": "pask_jax.models.loading",
+    "PRESETS": "pask_jax.models.qwen3",
+    "ModelConfig": "pask_jax.models.qwen3",
+    "Qwen3": "pask_jax.models.qwen3",
+    "Tokenizer": "pask_jax.models.tokenizer",
+}
+
+if TYPE_CHECKING:
+    from pask_jax.engine import Engine, Generation, SamplingConfig, generate_shared
+    from pask_jax.factory import make_engine
+    from pask_jax.llm import LLM
+    from pask_jax.models.fetch import MODELS, fetch_model, resolve_model_path
+    from pask_jax.models.loading import load_model
+    from pask_jax.models.qwen3 import PRESETS, ModelConfig, Qwen3
+    from pask_jax.models.tokenizer import Tokenizer
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pask_jax' has no attribute {name!r}")
 
 
 def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
     """The tokenizer of a checkpoint directory, a `.gguf` file or a fetched model; "qwen" builds Qwen's offline."""
+    from pask_jax.models.fetch import resolve_model_path
+    from pask_jax.models.tokenizer import load_tokenizer_from_path, qwen_tokenizer
+
     if str(path_or_name) == "qwen":
         return qwen_tokenizer()
     return load_tokenizer_from_path(resolve_model_path(path_or_name))
 
 
 __all__ = [
+    "LLM",
     "MODELS",
     "PRESETS",
     "Engine",
@@ -38,5 +73,6 @@ __all__ = [
     "generate_shared",
     "load_model",
     "load_tokenizer",
+    "make_engine",
     "resolve_model_path",
 ]

@@ -5,11 +5,18 @@ Data. The package's data files are JSON lines: `bfcl_eval/data/BFCL_v4_<category
 `bfcl_eval/data/possible_answer/BFCL_v4_<category>.json` (ground truth). We locate them without importing
 `bfcl_eval` (its `__init__` is empty, but its submodules import dozens of API clients).
 
-Calibration / evaluation split (fixed). An item is a *calibration* item iff `int(sha256(id)[:8], 16) % 5 == 0`
-(hex digest of the UTF-8 item id, about 20% of each category); every other item is an *evaluation* item. Both keep
-the file's order. Calibration items (for fitting or tuning compression methods) are never scored;
-`evaluation_sample(category, offset, limit)` is evaluation items offset..offset+limit-1 of that order, the default
-being the first 25 (all of a category when it has fewer).
+Calibration / dev / evaluation split (fixed, `SPLIT_RULE` "schema"). Items are grouped so that a group holds every
+item that shares a tool set (the sorted canonical JSON of the item's function dicts: names, schemas and descriptions)
+or, for live items, a BFCL group number (the middle number of `live_simple_4-3-0`, across the four live categories)
+with another item of the group, transitively, over all eight categories. A group goes whole to one part, by the
+first 8 hex digits of sha256(the group's smallest item id) mod 10: 0 calibration, 1 dev, else evaluation (about
+10 / 10 / 80 % of the items). So no evaluation item shares a tool set or a live group with a calibration or dev item.
+Calibration items fit policies; dev items tune every method's hyper-parameters; evaluation items are only scored.
+Each part keeps the file's order; `evaluation_sample(category, offset, limit)` is evaluation items
+offset..offset+limit-1 of that order (default the first 25; all of a category when it has fewer).
+The rule "item-hash" is the earlier per-item split (calibration iff `int(sha256(id)[:8], 16) % 5 == 0`, dev = the
+calibration items, evaluation = the rest): it shares schemas across parts and is kept only to reproduce results
+scored under it.
 
 Scoring. Generated text is decoded by `parse_tool_calls` to BFCL's decoded-AST format `[{name: {arg: value}}]` and
 judged by bfcl-eval's own `ast_checker`, called as BFCL's AST runner calls it (`score_item`, `score_text`).
@@ -31,6 +38,7 @@ import re
 import sys
 import types
 from pathlib import Path
+from typing import NamedTuple
 
 CATEGORIES = (
     "simple_python",
@@ -45,6 +53,9 @@ CATEGORIES = (
 NON_LIVE = CATEGORIES[:4]
 LIVE = CATEGORIES[4:]
 SPLITS = ("evaluation", "dev")  # what `pask-jax bfcl --split` scores: evaluation_sample or dev_sample
+SPLIT_RULES = ("schema", "item-hash")
+SPLIT_RULE = "schema"
+PARTS = ("calibration", "dev", "evaluation")
 INSTALL_HINT = "pip install --no-deps bfcl-eval==2026.3.23"
 # Golds that no call can satisfy under bfcl-eval 2026.3.23's checker (an empty allowed-value list for a required
 # argument, or a gold argument the function does not declare): every model scores 0 on them.
@@ -85,27 +96,95 @@ def load_answers(category: str) -> dict[str, dict]:
 # ---- calibration / evaluation split ---------------------------------------------------------------------------------
 
 
-def is_calibration(item_id: str) -> bool:
-    """The fixed split: calibration iff the first 8 hex digits of sha256(id) are 0 mod 5 (about 20%)."""
-    return int(hashlib.sha256(item_id.encode("utf-8")).hexdigest()[:8], 16) % 5 == 0
+class Split(NamedTuple):
+    """One category's items by part, each in the file's order."""
+
+    calibration: list[dict]
+    dev: list[dict]
+    evaluation: list[dict]
 
 
-def split_items(category: str) -> tuple[list[dict], list[dict]]:
-    """(calibration items, evaluation items) of one category, each in the file's order."""
+def _check_rule(rule: str) -> None:
+    if rule not in SPLIT_RULES:
+        raise ValueError(f"unknown split rule {rule!r}; known: {', '.join(SPLIT_RULES)}")
+
+
+def _hash_mod(text: str, modulus: int) -> int:
+    return int(hashlib.sha256(text.encode("utf-8")).hexdigest()[:8], 16) % modulus
+
+
+def tool_set_key(functions: list[dict]) -> str:
+    """The fingerprint of an item's tool set: sha256 of its function dicts as sorted canonical JSON."""
+    canonical = sorted(json.dumps(f, sort_keys=True, ensure_ascii=False) for f in functions)
+    return hashlib.sha256(json.dumps(canonical).encode("utf-8")).hexdigest()
+
+
+_LIVE_GROUP = re.compile(r"^live_[a-z_]+_\d+-(\d+)-\d+$")
+
+
+@functools.cache
+def _schema_parts() -> dict[str, str]:
+    """item id -> part under the "schema" rule (see the module docstring): union-find over shared keys."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    ids = []
+    for category in CATEGORIES:
+        for item in load_category(category):
+            ids.append(item["id"])
+            keys = ["tools:" + tool_set_key(item["function"])]
+            if match := _LIVE_GROUP.match(item["id"]):
+                keys.append("live-group:" + match.group(1))
+            for key in keys:
+                parent[find(item["id"])] = find(key)
+    smallest: dict[str, str] = {}
+    for item_id in ids:
+        root = find(item_id)
+        smallest[root] = min(smallest.get(root, item_id), item_id)
+    return {item_id: PARTS[min(_hash_mod(smallest[find(item_id)], 10), 2)] for item_id in ids}
+
+
+def part_of(item_id: str, rule: str = SPLIT_RULE) -> str:
+    """ "calibration", "dev" or "evaluation": the part an item belongs to under `rule`."""
+    _check_rule(rule)
+    if rule == "item-hash":
+        return "calibration" if _hash_mod(item_id, 5) == 0 else "evaluation"
+    try:
+        return _schema_parts()[item_id]
+    except KeyError:
+        raise ValueError(f"{item_id!r} is not a BFCL item of the eight categories") from None
+
+
+def is_calibration(item_id: str, rule: str = SPLIT_RULE) -> bool:
+    """Whether an item is for fitting policies (never scored as a result)."""
+    return part_of(item_id, rule) == "calibration"
+
+
+def split_items(category: str, rule: str = SPLIT_RULE) -> Split:
+    """(calibration, dev, evaluation) items of one category, each in the file's order. Under "item-hash" the dev part
+    is the calibration part (runs then pick a dev offset past a policy's own items)."""
     items = load_category(category)
-    return [it for it in items if is_calibration(it["id"])], [it for it in items if not is_calibration(it["id"])]
+    parts = {part: [it for it in items if part_of(it["id"], rule) == part] for part in PARTS}
+    if rule == "item-hash":
+        parts["dev"] = parts["calibration"]
+    return Split(**parts)
 
 
-def evaluation_sample(category: str, offset: int = 0, limit: int | None = 25) -> list[dict]:
+def evaluation_sample(category: str, offset: int = 0, limit: int | None = 25, rule: str = SPLIT_RULE) -> list[dict]:
     """Evaluation items offset..offset+limit-1 of one category (fewer at its end; limit None: all from offset)."""
-    return _slice(split_items(category)[1], offset, limit)
+    return _slice(split_items(category, rule).evaluation, offset, limit)
 
 
-def dev_sample(category: str, offset: int = 8, limit: int | None = 25) -> list[dict]:
-    """Calibration-split items offset..offset+limit-1 of one category: a development set for tuning a method (e.g.
-    a policy compiler's options) without looking at evaluation items. Its scores are never reported as results; the
-    default offset leaves the first 8, which `pask-jax calibrate` fits on by default, alone."""
-    return _slice(split_items(category)[0], offset, limit)
+def dev_sample(category: str, offset: int = 0, limit: int | None = 25, rule: str = SPLIT_RULE) -> list[dict]:
+    """Dev items offset..offset+limit-1 of one category: for choosing any method's hyper-parameters without looking
+    at evaluation items. Their scores are never reported as results."""
+    return _slice(split_items(category, rule).dev, offset, limit)
 
 
 def _slice(items: list[dict], offset: int, limit: int | None) -> list[dict]:
@@ -250,19 +329,22 @@ def is_decoded_format(calls) -> bool:
     )
 
 
-def _refuse_calibration(item: dict, allow_calibration: bool) -> None:
-    if is_calibration(item["id"]) and not allow_calibration:
+def _refuse_calibration(item: dict, allow_calibration: bool, rule: str) -> None:
+    if is_calibration(item["id"], rule) and not allow_calibration:
         raise ValueError(f"{item['id']!r} is a calibration item; calibration items are never scored")
 
 
-def score_item(item: dict, answer_entry: dict, calls: list[dict], *, allow_calibration: bool = False):
+def score_item(
+    item: dict, answer_entry: dict, calls: list[dict], *, allow_calibration: bool = False, rule: str = SPLIT_RULE
+):
     """Judge decoded calls [{name: {arg: value}}] as BFCL's AST runner does: (valid, error_type | None, errors).
 
     The checker gets the item's functions unprocessed (BFCL's runner loads them with
     `include_language_specific_hint=False`), language Python, and the category name as test_category. Scoring a
-    calibration item is refused unless `allow_calibration` (for checks of the data and checker themselves).
+    calibration item (under the split `rule`) is refused unless `allow_calibration` (for checks of the data and
+    checker themselves, and dev runs under the "item-hash" rule, whose dev items are calibration items).
     """
-    _refuse_calibration(item, allow_calibration)
+    _refuse_calibration(item, allow_calibration, rule)
     if item["id"] != answer_entry["id"]:
         raise ValueError(f"item {item['id']!r} scored against the answer of {answer_entry['id']!r}")
     if not is_decoded_format(calls):
@@ -275,14 +357,14 @@ def score_item(item: dict, answer_entry: dict, calls: list[dict], *, allow_calib
     return False, result.get("error_type"), result.get("error", [])
 
 
-def score_text(item: dict, answer_entry: dict, text: str, *, allow_calibration: bool = False):
+def score_text(item: dict, answer_entry: dict, text: str, *, allow_calibration: bool = False, rule: str = SPLIT_RULE):
     """`parse_tool_calls` then `score_item`; undecodable text scores "ast_decoder:decoder_failed", as in BFCL."""
-    _refuse_calibration(item, allow_calibration)
+    _refuse_calibration(item, allow_calibration, rule)
     try:
         calls = parse_tool_calls(text)
     except ParseError as e:
         return False, "ast_decoder:decoder_failed", [str(e)]
-    return score_item(item, answer_entry, calls, allow_calibration=allow_calibration)
+    return score_item(item, answer_entry, calls, allow_calibration=allow_calibration, rule=rule)
 
 
 # ---- aggregation ----------------------------------------------------------------------------------------------------

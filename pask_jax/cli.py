@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from pask_jax.bfcl import SPLITS
+from pask_jax.bfcl import SPLIT_RULE, SPLIT_RULES, SPLITS
 from pask_jax.models.fetch import MODELS, FetchError, fetch_model
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -67,6 +67,7 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         framing=args.framing,
         split=args.split,
+        split_rule=args.split_rule,
     )
     from pask_jax.methods import load_method_config
     from pask_jax.policy import PersistencePolicy
@@ -122,7 +123,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         stats = calibrate(
             model,
             tokenizer,
-            calibration_items(args.per_category),
+            calibration_items(args.per_category, rule=args.split_rule),
             groups=args.groups,
             levels=[float(x) for x in args.levels.split(",")] if args.levels else DEFAULT_LEVELS,
             target=args.target,
@@ -142,17 +143,10 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    """Serving benchmark (scripts/bench_serving.py); every argument after `bench` is the script's own."""
-    import importlib.util
-    from pathlib import Path
+    """`pask-jax bench serving|decode|kernel ...`: the benchmarks in `pask_jax.bench`, each with its own flags."""
+    from pask_jax.bench import main as bench_main
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
-    if not script.exists():
-        raise ValueError(f"{script} not found: `pask-jax bench` needs the source checkout (pip install -e .)")
-    spec = importlib.util.spec_from_file_location("bench_serving", script)
-    module = sys.modules["bench_serving"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
-    spec.loader.exec_module(module)
-    module.main(args.args)
+    bench_main(args.args)
 
 
 def enable_compile_cache() -> None:
@@ -196,8 +190,14 @@ def main(argv: list[str] | None = None) -> None:
         "--split",
         default="evaluation",
         choices=SPLITS,
-        help="evaluation items (reported results), or dev: calibration-split items for tuning, past those the "
-        "policies were calibrated on (e.g. --offset 8)",
+        help="evaluation items (reported results), or dev items (for choosing hyper-parameters)",
+    )
+    p.add_argument(
+        "--split-rule",
+        default=SPLIT_RULE,
+        choices=SPLIT_RULES,
+        help="schema: parts share no tool set or live group (default); item-hash: the earlier per-item split, to "
+        "reproduce results scored under it",
     )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--budgets", default="0.2,0.33,0.5")
     p.add_argument("--per-category", type=int, default=8, help="calibration items per BFCL category")
+    p.add_argument("--split-rule", default=SPLIT_RULE, choices=SPLIT_RULES, help="which calibration part to use")
     p.add_argument("--groups", type=int, default=4, help="layer groups")
     p.add_argument("--levels", help="comma-separated keep levels per bucket, 0 included (default: DEFAULT_LEVELS)")
     p.add_argument(
@@ -229,12 +230,12 @@ def main(argv: list[str] | None = None) -> None:
         "--floor-share", type=float, default=1.0, help="fraction of a layer group's share its floors may take"
     )
     p.add_argument("--stats", help="compile from saved calibration statistics instead of calibrating")
-    p.add_argument("--ablation", default="none", choices=ABLATIONS, help="compile an ablated policy (issue #6)")
+    p.add_argument("--ablation", default="none", choices=ABLATIONS, help="compile an ablated policy")
     p.add_argument("--out", required=True, help="policy directory, e.g. policies/qwen2.5-coder-0.5b")
     p.set_defaults(func=cmd_calibrate)
     # prefix "+": every "--flag" after `bench` is passed through to the script's own parser (`pask-jax bench --help`)
-    p = sub.add_parser("bench", help="serving benchmark of Full KV, PASK, baselines", prefix_chars="+", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of scripts/bench_serving.py")
+    p = sub.add_parser("bench", help="benchmarks: serving | decode | kernel", prefix_chars="+", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="a benchmark and its flags (`pask-jax bench serving --help`)")
     p.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     if args.command in ("demo", "bfcl", "calibrate"):

@@ -2,9 +2,9 @@
 
     pask-jax bfcl --model qwen2.5-coder-0.5b --methods full --budget 1.0 --categories all --limit 25 --out r.json
 
-Items come from the evaluation side of the fixed split (`bfcl.evaluation_sample`). `split="dev"` scores
-calibration-split items instead (`bfcl.dev_sample`), for tuning a method without looking at evaluation items; a dev
-run refuses items that a given policy was calibrated on, and its scores are never reported as results.
+Items come from the evaluation part of the fixed split (`bfcl.evaluation_sample`). `split="dev"` scores dev items
+instead (`bfcl.dev_sample`), for tuning a method without looking at evaluation items; its scores are never reported as
+results. A policy calibrated on items outside the calibration part of the run's split rule is refused.
 Each batch gets one compiled grammar per item (its own functions), the prompt roles of its tokens, and the engine's
 per-request statistics (kept/full KV ratios, token counts, times).
 """
@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from pask_jax import bfcl
 from pask_jax.engine import Engine, SamplingConfig, generate_shared
-from pask_jax.methods import METHODS, make_method
+from pask_jax.factory import make_engine
+from pask_jax.methods import METHODS
 from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import Tokenizer
@@ -40,20 +41,24 @@ class EvalConfig:
     max_new_tokens: int = 256
     framing: str = "tool_call"
     num_groups: int = 4
-    split: str = "evaluation"  # or "dev": calibration-split items, for tuning
+    split: str = "evaluation"  # or "dev": dev items, for tuning
+    split_rule: str = bfcl.SPLIT_RULE  # "item-hash" reproduces results scored under the earlier per-item split
 
     def __post_init__(self) -> None:
         if self.split not in bfcl.SPLITS:
             raise ValueError(f"split={self.split!r}; choose one of {', '.join(bfcl.SPLITS)}")
+        if self.split_rule not in bfcl.SPLIT_RULES:
+            raise ValueError(f"split_rule={self.split_rule!r}; choose one of {', '.join(bfcl.SPLIT_RULES)}")
 
     def sample(self, category: str) -> list[dict]:
         sample = bfcl.dev_sample if self.split == "dev" else bfcl.evaluation_sample
-        return sample(category, self.offset, self.limit)
+        return sample(category, self.offset, self.limit, rule=self.split_rule)
 
 
-def _item_result(item: dict, answer: dict, gen, tokenizer: Tokenizer, dev: bool) -> dict:
+def _item_result(item: dict, answer: dict, gen, tokenizer: Tokenizer, cfg: EvalConfig) -> dict:
     text = tokenizer.decode(gen.tokens)
-    valid, error_type, _ = bfcl.score_text(item, answer, text, allow_calibration=dev)
+    dev = cfg.split == "dev"  # item-hash dev items are calibration items: scored for tuning only
+    valid, error_type, _ = bfcl.score_text(item, answer, text, allow_calibration=dev, rule=cfg.split_rule)
     return {
         "id": item["id"],
         "text": text,
@@ -104,7 +109,6 @@ def run_category(
     texts = [bfcl_prompt(item) for item in items]
     prompts = [tokenizer.encode(text) for text in texts]
     order = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths share a batch: less padding
-    dev = cfg.split == "dev"
     results = {key: [None] * len(items) for key in engines}
     timing = {key: [0.0, 0.0, 0, 0.0] for key in engines}  # parser s, decode s, steps, wall s
     for start in range(0, len(items), cfg.batch_size):
@@ -124,7 +128,7 @@ def run_category(
             t = timing[key]
             t[0] += constraint.mask_s + constraint.advance_s
             for k, i in enumerate(idx):
-                results[key][i] = _item_result(items[i], answers[items[i]["id"]], gens[k], tokenizer, dev)
+                results[key][i] = _item_result(items[i], answers[items[i]["id"]], gens[k], tokenizer, cfg)
                 t[1] += sum(gens[k].stats.token_times_s)
                 t[2] += len(gens[k].stats.token_times_s)
             # the shared prefill plus this engine's decode steps (the longest sequence saw every step)
@@ -158,11 +162,13 @@ def build_engines(
         policy = policies.get(label or "pask") if name == "pask" else None
         overrides = method_config.get(name, {}) | method_config.get(spec, {})
         for budget in cfg.budgets if name != "full" else (1.0,):  # full KV ignores the budget: run it once
-            engines[(spec, budget)] = Engine(
+            engines[(spec, budget)] = make_engine(
                 model,
-                method=make_method(name, overrides, policy=policy, budget=budget),
-                budget=budget,
-                num_groups=policy.groups if policy is not None else cfg.num_groups,
+                name,
+                budget,
+                policy=policy,
+                overrides=overrides,
+                num_groups=None if policy is not None else cfg.num_groups,
                 stop_token_ids=tokenizer.eos_token_ids,
             )
     return engines
@@ -186,7 +192,13 @@ def run_bfcl(
     sample_ids = {item["id"] for items in samples.values() for item in items}
     for label, policy in policies.items():
         policy.check_compatible(model_name, model.config.num_layers)
-        if seen := sorted(sample_ids & set(policy.calibration_items)):  # only a dev sample can overlap
+        outside = [i for i in policy.calibration_items if not bfcl.is_calibration(i, cfg.split_rule)]
+        if outside:
+            raise ValueError(
+                f"policy {label!r} was calibrated on {', '.join(outside[:3])}, outside the calibration part of split "
+                f"rule {cfg.split_rule!r}: recalibrate on that part, or score under the rule it was calibrated for"
+            )
+        if seen := sorted(sample_ids & set(policy.calibration_items)):  # item-hash dev samples can overlap
             raise ValueError(f"policy {label!r} was calibrated on {', '.join(seen[:3])}: pick a dev --offset past them")
     method_config = method_config or {}
     engines = build_engines(model, tokenizer, cfg, method_config, policies)

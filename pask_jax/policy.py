@@ -8,14 +8,20 @@ Online, PASK only looks entries up in this table (no attention statistics on the
   `release_window` tokens, so it leaves first;
 - `group_fractions[g]`: the share of the full length layer group g keeps (layer-weighted mean == budget).
 
-Saved as an orbax checkpoint (the arrays) plus `policy.json` (a readable summary carrying the model name, layer count,
-group count, role taxonomy version and the calibration item ids). Loading a policy for another model, layer count or
-taxonomy is an error.
+Saved as an orbax checkpoint (the arrays) plus `policy.json` (a readable summary carrying the model fingerprint,
+layer count, group count, role taxonomy version and the calibration item ids).
+
+A policy is known by what it fits, not by a name or path: `ModelFingerprint` (architecture, layers, heads, head size,
+hidden size, a hash of the tokenizer's token table, role taxonomy). Using a policy for a model with another
+fingerprint is an error naming both sides. Policies shipped with the package (`SHIPPED_POLICIES`) are found by
+fingerprint (`find_shipped_policy`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.resources
 import json
 from pathlib import Path
 
@@ -24,10 +30,52 @@ import numpy as np
 from pask_jax.structure.roles import TAXONOMY_VERSION, num_roles, role_names
 
 POLICY_FORMAT = "pask-policy-v1"
+SHIPPED_POLICIES = Path(str(importlib.resources.files("pask_jax") / "policies"))
 
 
 class PolicyError(ValueError):
     """A policy that does not fit the model, taxonomy or budget asked for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFingerprint:
+    """What a persistence policy fits: the shapes its tables index and the token ids its roles were measured on."""
+
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_hash: str  # sha256 (first 16 hex digits) of the tokenizer's id -> bytes table
+    taxonomy: str = TAXONOMY_VERSION
+
+    @classmethod
+    def of(cls, config, tokenizer) -> ModelFingerprint:
+        """The fingerprint of a loaded model (its `ModelConfig`) with its tokenizer."""
+        return cls(
+            architecture=config.architecture,
+            num_layers=config.num_layers,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            hidden_size=config.hidden_size,
+            vocab_hash=vocabulary_hash(tokenizer),
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.architecture}, {self.num_layers} layers, {self.num_heads}/{self.num_kv_heads} heads of "
+            f"{self.head_dim}, hidden {self.hidden_size}, vocabulary {self.vocab_hash}, roles {self.taxonomy}"
+        )
+
+
+def vocabulary_hash(tokenizer) -> str:
+    """sha256 over every id's bytes (special tokens by their text): equal for the same token table wherever it is."""
+    digest = hashlib.sha256()
+    for i, raw in enumerate(tokenizer.all_token_bytes()):
+        digest.update(b"%d:%d:" % (i, len(raw)) + raw)
+    return digest.hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
@@ -60,6 +108,7 @@ class PersistencePolicy:
     taxonomy: str = TAXONOMY_VERSION
     calibration_items: tuple[str, ...] = ()
     notes: str = ""
+    fits: ModelFingerprint | None = None
 
     def table(self, budget: float) -> PolicyTable:
         for t in self.tables:
@@ -76,11 +125,22 @@ class PersistencePolicy:
                 f"not for {model!r} ({num_layers} layers): calibrate one for this model"
             )
 
+    def check_fits(self, fingerprint: ModelFingerprint) -> None:
+        """Refuse a model this policy was not calibrated for, naming both fingerprints."""
+        if self.fits is None:
+            raise PolicyError(f"policy for {self.model!r} carries no model fingerprint: recompile it with this version")
+        if self.fits != fingerprint:
+            raise PolicyError(
+                f"policy for {self.model!r} fits [{self.fits.describe()}], not this model [{fingerprint.describe()}]: "
+                "calibrate one for this model with `pask-jax calibrate`"
+            )
+
     def summary(self) -> dict:
         names = role_names()
         return {
             "format": POLICY_FORMAT,
             "model": self.model,
+            "fits": dataclasses.asdict(self.fits) if self.fits is not None else None,
             "num_layers": self.num_layers,
             "groups": self.groups,
             "taxonomy": self.taxonomy,
@@ -150,7 +210,20 @@ class PersistencePolicy:
             taxonomy=meta["taxonomy"],
             calibration_items=tuple(meta["calibration_items"]),
             notes=meta.get("notes", ""),
+            fits=ModelFingerprint(**meta["fits"]) if meta.get("fits") else None,
         )
         for t in tables:
             t.validate(num_roles(), policy.groups)
         return policy
+
+
+def find_shipped_policy(fingerprint: ModelFingerprint, root: Path = SHIPPED_POLICIES) -> PersistencePolicy:
+    """The shipped policy calibrated for this model, found by fingerprint; PolicyError saying how to make one."""
+    for meta_path in sorted(root.glob("*/policy.json")):
+        fits = json.loads(meta_path.read_text()).get("fits")
+        if fits and ModelFingerprint(**fits) == fingerprint:
+            return PersistencePolicy.load(meta_path.parent)
+    raise PolicyError(
+        f"no shipped PASK policy fits this model [{fingerprint.describe()}]: calibrate one with `pask-jax calibrate "
+        "--model M --data requests.jsonl --out DIR` and pass policy=DIR (or run PASK uncalibrated with policy=None)"
+    )

@@ -11,7 +11,17 @@ pytest.importorskip("bfcl_eval")
 
 from pask_jax import bfcl  # noqa: E402
 
-SIZES = {  # (calibration, evaluation) under the fixed split; totals are EVAL_MODELS.md's category sizes
+SIZES = {  # (calibration, dev, evaluation) under the schema split; totals are EVAL_MODELS.md's category sizes
+    "simple_python": (30, 53, 317),
+    "multiple": (25, 20, 155),
+    "parallel": (14, 23, 163),
+    "parallel_multiple": (22, 30, 148),
+    "live_simple": (15, 10, 233),
+    "live_multiple": (111, 111, 831),
+    "live_parallel": (0, 4, 12),
+    "live_parallel_multiple": (0, 1, 23),
+}
+ITEM_HASH_SIZES = {  # (calibration, evaluation) under the earlier per-item split
     "simple_python": (69, 331),
     "multiple": (45, 155),
     "parallel": (37, 163),
@@ -46,36 +56,58 @@ def _tool_calls(calls):
 @pytest.mark.parametrize("category", bfcl.CATEGORIES)
 def test_split_is_fixed_disjoint_and_complete(category):
     items = bfcl.load_category(category)
-    calibration, evaluation = bfcl.split_items(category)
-    assert (len(calibration), len(evaluation)) == SIZES[category]
-    cal_ids, eval_ids = [it["id"] for it in calibration], [it["id"] for it in evaluation]
-    assert not set(cal_ids) & set(eval_ids)
-    assert sorted(cal_ids + eval_ids) == sorted(it["id"] for it in items)
+    split = bfcl.split_items(category)
+    assert tuple(len(part) for part in split) == SIZES[category]
+    ids = [[it["id"] for it in part] for part in split]
+    assert sorted(sum(ids, [])) == sorted(it["id"] for it in items)  # complete and disjoint
     order = {it["id"]: i for i, it in enumerate(items)}
-    assert [order[i] for i in cal_ids] == sorted(order[i] for i in cal_ids)  # file order kept
-    assert [order[i] for i in eval_ids] == sorted(order[i] for i in eval_ids)
-    assert bfcl.split_items(category) == (calibration, evaluation)
+    for part in ids:
+        assert [order[i] for i in part] == sorted(order[i] for i in part)  # file order kept
+    assert bfcl.split_items(category) == split
 
 
-def test_split_golden_ids_and_fraction():
+def test_evaluation_shares_no_tool_set_or_live_group_with_calibration_or_dev():
+    seen: dict[str, dict[str, set]] = {"tools": {}, "group": {}}
+    for category in bfcl.CATEGORIES:
+        for part, items in bfcl.split_items(category)._asdict().items():
+            for item in items:
+                held_out = "evaluation" if part == "evaluation" else "fitting"
+                seen["tools"].setdefault(bfcl.tool_set_key(item["function"]), set()).add(held_out)
+                if category.startswith("live_"):
+                    seen["group"].setdefault(item["id"].rsplit("-", 2)[1], set()).add(held_out)
+    for kind, keys in seen.items():
+        shared = [key for key, parts in keys.items() if len(parts) > 1]
+        assert not shared, (kind, shared[:3])
+    assert len(seen["tools"]) > 1000  # the keys really vary (not one key for every item)
+
+
+def test_split_fractions_and_the_item_hash_rule():
+    totals = [sum(sizes[i] for sizes in SIZES.values()) for i in range(3)]
+    assert 0.07 < totals[0] / sum(totals) < 0.13 and 0.07 < totals[1] / sum(totals) < 0.13
+    for category, (cal, evaluation) in ITEM_HASH_SIZES.items():
+        split = bfcl.split_items(category, "item-hash")
+        assert (len(split.calibration), len(split.evaluation)) == (cal, evaluation)
+        assert split.dev == split.calibration  # item-hash dev runs pick an offset past a policy's items
     for item_id in ("simple_python_20", "simple_python_23", "multiple_1", "parallel_1", "live_simple_4-3-0"):
-        assert bfcl.is_calibration(item_id)
+        assert bfcl.is_calibration(item_id, "item-hash")
     for item_id in ("simple_python_0", "simple_python_1", "multiple_0", "parallel_0", "live_multiple_0-0-0"):
-        assert not bfcl.is_calibration(item_id)
-    cal, total = sum(c for c, _ in SIZES.values()), sum(c + e for c, e in SIZES.values())
-    assert 0.18 < cal / total < 0.22
+        assert not bfcl.is_calibration(item_id, "item-hash")
+    with pytest.raises(ValueError, match="unknown split rule"):
+        bfcl.part_of("simple_python_0", "random")
+    with pytest.raises(ValueError, match="not a BFCL item"):
+        bfcl.part_of("simple_java_0")
 
 
 def test_evaluation_sample_offsets():
-    evaluation = bfcl.split_items("parallel")[1]
-    assert [it["id"] for it in bfcl.evaluation_sample("parallel")[:3]] == ["parallel_0", "parallel_3", "parallel_6"]
+    evaluation = bfcl.split_items("parallel").evaluation
+    assert [it["id"] for it in bfcl.evaluation_sample("parallel")[:3]] == ["parallel_0", "parallel_2", "parallel_3"]
     assert bfcl.evaluation_sample("parallel") == evaluation[:25]
     assert bfcl.evaluation_sample("parallel", offset=25, limit=10) == evaluation[25:35]
     assert bfcl.evaluation_sample("parallel", offset=160, limit=25) == evaluation[160:]  # 3 left
-    assert len(bfcl.evaluation_sample("live_parallel")) == 13  # fewer than 25: all of it
-    assert bfcl.evaluation_sample("live_parallel", offset=13) == []
+    assert len(bfcl.evaluation_sample("live_parallel")) == 12  # fewer than 25: all of it
+    assert bfcl.evaluation_sample("live_parallel", offset=12) == []
     assert len(bfcl.evaluation_sample("multiple", limit=None)) == 155
-    assert not any(bfcl.is_calibration(it["id"]) for it in bfcl.evaluation_sample("live_multiple", limit=200))
+    assert all(bfcl.part_of(it["id"]) == "evaluation" for it in bfcl.evaluation_sample("live_multiple", limit=200))
     with pytest.raises(ValueError):
         bfcl.evaluation_sample("parallel", offset=-1)
 
@@ -89,7 +121,7 @@ def test_unknown_category():
 
 
 def test_calibration_items_are_never_scored():
-    item = bfcl.split_items("simple_python")[0][0]
+    item = bfcl.split_items("simple_python").calibration[0]
     with pytest.raises(ValueError, match="calibration"):
         bfcl.score_item(item, _answer(item), _gold(item))
     with pytest.raises(ValueError, match="calibration"):
@@ -250,9 +282,9 @@ def test_summarize():
     assert bfcl.summarize({**per, "multiple": (0, 0)})["non_live"] is None
 
 
-def test_dev_sample_is_the_calibration_side():
-    calibration = bfcl.split_items("multiple")[0]
-    assert bfcl.dev_sample("multiple", offset=8, limit=5) == calibration[8:13]
-    assert all(bfcl.is_calibration(it["id"]) for it in bfcl.dev_sample("live_simple", 0, None))
+def test_dev_sample_is_its_own_part():
+    assert bfcl.dev_sample("multiple", offset=2, limit=5) == bfcl.split_items("multiple").dev[2:7]
+    assert all(bfcl.part_of(it["id"]) == "dev" for it in bfcl.dev_sample("live_simple", 0, None))
+    assert bfcl.dev_sample("multiple", 8, 5, rule="item-hash") == bfcl.split_items("multiple", "item-hash").dev[8:13]
     with pytest.raises(ValueError, match="offset"):
         bfcl.dev_sample("multiple", offset=-2)

@@ -30,26 +30,33 @@ def test_run_bfcl_shape_and_split(tiny_qwen: Qwen3):
         for item in run["items"]:
             # a random model rarely finishes a call in 24 tokens, but everything it wrote obeys the grammar
             assert item["text"].startswith("<tool_call>\n{") or item["generated_tokens"] < 3
-            assert item["valid"] in (True, False) and item["kept_ratio_max"] <= (
-                1.0 if run["method"] == "full" else 0.5 + 0.05
-            )
+            assert item["valid"] == (item["error_type"] is None)  # the checker's verdict, recorded as given
+            assert item["parsed"] == (item["error_type"] != "ast_decoder:decoder_failed")
+            assert item["kept_ratio_max"] <= (1.0 if run["method"] == "full" else 0.5 + 0.05)
     assert len(result["summary"]) == 2 and result["summary"][0]["overall"] is None  # one category: no 8-way mean
     assert "| full | 1 |" in format_table(result, ("simple_python",))
 
 
-def test_dev_split_scores_calibration_items_and_refuses_a_policys_own(tiny_qwen: Qwen3):
+def test_dev_split_scores_dev_items_and_refuses_policies_fitted_elsewhere(tiny_qwen: Qwen3):
     cfg = EvalConfig(categories=("simple_python",), offset=2, limit=1, max_new_tokens=8, split="dev")
     result = run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg)
     (item,) = result["runs"][0]["items"]
-    assert item["id"] == bfcl.split_items("simple_python")[0][2]["id"] and bfcl.is_calibration(item["id"])
-    policy = PersistencePolicy(
-        model="tiny",
-        num_layers=tiny_qwen.config.num_layers,
-        groups=2,
-        tables=(),
-        calibration_items=(item["id"],),
-    )
-    with pytest.raises(ValueError, match="was calibrated on"):
-        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg, policies={"pask": policy})
+    assert item["id"] == bfcl.split_items("simple_python").dev[2]["id"] and bfcl.part_of(item["id"]) == "dev"
+
+    def policy(calibration_items):
+        layers = tiny_qwen.config.num_layers
+        return PersistencePolicy(
+            model="tiny", num_layers=layers, groups=2, tables=(), calibration_items=calibration_items
+        )
+
+    evaluation_item = bfcl.evaluation_sample("multiple", 0, 1)[0]["id"]
+    with pytest.raises(ValueError, match="outside the calibration part"):
+        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg, policies={"pask": policy((evaluation_item,))})
+    old = EvalConfig(categories=("simple_python",), limit=1, max_new_tokens=8, split="dev", split_rule="item-hash")
+    own = bfcl.dev_sample("simple_python", 0, 1, rule="item-hash")[0]["id"]
+    with pytest.raises(ValueError, match="was calibrated on"):  # item-hash dev items are calibration items
+        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", old, policies={"pask": policy((own,))})
     with pytest.raises(ValueError, match="split"):
         EvalConfig(split="test")
+    with pytest.raises(ValueError, match="split_rule"):
+        EvalConfig(split_rule="random")

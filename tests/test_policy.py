@@ -14,7 +14,7 @@ from pask_jax.calibration.compiler import compile_policy, compile_table, pooled_
 from pask_jax.engine import Engine
 from pask_jax.methods.pask import PaskKV
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
-from pask_jax.policy import PersistencePolicy, PolicyError
+from pask_jax.policy import SHIPPED_POLICIES, PersistencePolicy, PolicyError
 from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
 
 REPO = Path(__file__).parents[1]
@@ -173,13 +173,13 @@ def test_floors_respected_online():
 
 
 def test_shipped_policy_loads_and_obeys_its_budgets():
-    path = REPO / "policies" / "qwen2.5-coder-0.5b"
+    path = SHIPPED_POLICIES / "qwen2.5-coder-0.5b"
     policy = PersistencePolicy.load(path)
     policy.check_compatible("qwen2.5-coder-0.5b", 24)
-    assert policy.groups == 4 and policy.calibration_items
+    assert policy.groups == 4 and policy.calibration_items and policy.fits.num_layers == 24
     from pask_jax.bfcl import is_calibration
 
-    assert all(is_calibration(i) for i in policy.calibration_items)  # never an evaluation item
+    assert all(is_calibration(i, "item-hash") for i in policy.calibration_items)  # the split it was fitted under
     for table in policy.tables:
         table.validate(R, policy.groups)
         assert table.group_fractions.mean() <= table.budget + 1e-6  # equal groups: 6 layers each
@@ -195,7 +195,7 @@ def test_shipped_policies_recompile_from_their_statistics(ablation: str):
 
     stats = CalibrationStats.load(REPO / "results" / "calibration_qwen2.5-coder-0.5b_own16.json")
     name = "qwen2.5-coder-0.5b" if ablation == "none" else f"qwen2.5-coder-0.5b-ablations/{ablation}"
-    shipped = PersistencePolicy.load(REPO / "policies" / name)
+    shipped = PersistencePolicy.load((SHIPPED_POLICIES if ablation == "none" else REPO / "policies") / name)
     budgets = [t.budget for t in shipped.tables]
     assert budgets == [0.2, 0.33, 0.5]
     recompiled = compile_policy(stats, budgets, ablation=ablation)

@@ -41,7 +41,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from pask_jax.bfcl import CATEGORIES, canonical_calls, is_calibration, load_answers, split_items
+from pask_jax.bfcl import (
+    CATEGORIES,
+    SPLIT_RULE,
+    SPLIT_RULES,
+    canonical_calls,
+    is_calibration,
+    load_answers,
+    split_items,
+)
 from pask_jax.calibration.passes import NO_ROLE, ItemArrays, PassPlan, baseline_pass, removed_entries, variant_pass
 from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.layers import layer_groups
@@ -71,12 +79,14 @@ class Example:
     consistent: np.ndarray  # i32[T, W] packed bits: tokens whose text is a prefix of the gold text from g_t on
 
 
-def calibration_items(per_category: int = 8, categories: Sequence[str] = CATEGORIES) -> list[tuple[dict, dict]]:
-    """The first `per_category` calibration-split items of each category, in file order, with their answers."""
+def calibration_items(
+    per_category: int = 8, categories: Sequence[str] = CATEGORIES, rule: str = SPLIT_RULE
+) -> list[tuple[dict, dict]]:
+    """The first `per_category` calibration-part items of each category, in file order, with their answers."""
     out = []
     for category in categories:
         answers = load_answers(category)
-        out += [(item, answers[item["id"]]) for item in split_items(category)[0][:per_category]]
+        out += [(item, answers[item["id"]]) for item in split_items(category, rule).calibration[:per_category]]
     return out
 
 
@@ -392,9 +402,9 @@ def calibrate(
     checkpoint_dir=None, max_items=None, batch=32, save_every=4, progress=True."""
     if target not in TARGETS:
         raise ValueError(f"target={target!r}: choose one of {', '.join(TARGETS)}")
-    leaked = [it["id"] for it, _ in items_with_answers if not is_calibration(it["id"])]
+    leaked = [it["id"] for it, _ in items_with_answers if not any(is_calibration(it["id"], r) for r in SPLIT_RULES)]
     if leaked:
-        raise ValueError(f"evaluation items must never be calibrated on: {leaked[:5]}")
+        raise ValueError(f"only calibration-part items may be calibrated on, not: {leaked[:5]}")
     vocab = model.config.vocab_size
     engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids) if target == "own" else None
     examples = [

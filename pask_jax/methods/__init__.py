@@ -1,6 +1,7 @@
 """KV-compression methods: each decides which prompt entries a cache keeps and what leaves during decode."""
 
 import dataclasses
+import importlib.resources
 import tomllib
 from pathlib import Path
 
@@ -14,19 +15,24 @@ from pask_jax.methods.random_kv import RandomKV
 from pask_jax.methods.snapkv import SnapKV
 from pask_jax.methods.streamingllm import StreamingLLM
 
+DEFAULT_METHOD_CONFIG = importlib.resources.files("pask_jax") / "configs" / "methods.toml"
 METHODS: dict[str, type[KVMethod]] = {
     m.name: m for m in (FullKV, RandomKV, StreamingLLM, H2O, SnapKV, PyramidKV, DapQ, PaskKV)
 }
 
 
 def load_method_config(path: str | Path | None = None) -> dict[str, dict]:
-    """Per-method hyper-parameter overrides from a TOML file (default: configs/methods.toml, if present).
+    """Per-method hyper-parameter overrides from a TOML file (default: the packaged `pask_jax/configs/methods.toml`).
 
     A section is a method name, or `name:LABEL` for one labelled variant in a sweep (e.g. `["pask:dapq_rank"]`)."""
-    path = Path(path) if path is not None else Path(__file__).parents[2] / "configs" / "methods.toml"
-    if not path.exists():
-        return {}
-    config = tomllib.loads(path.read_text())
+    if path is None:
+        text, path = DEFAULT_METHOD_CONFIG.read_text(), DEFAULT_METHOD_CONFIG
+    else:
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"method config {path} does not exist")
+        text = path.read_text()
+    config = tomllib.loads(text)
     unknown = sorted(s for s in config if s.partition(":")[0] not in METHODS)
     if unknown:
         raise ValueError(f"{path}: unknown method(s) {unknown}; known: {', '.join(METHODS)}")

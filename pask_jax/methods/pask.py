@@ -49,6 +49,7 @@ class PaskKV(KVMethod):
     retain: tuple[tuple[bool, ...], ...] = ()  # [R][G]
     group_fractions: tuple[float, ...] = ()  # [G]
     layer_group: tuple[int, ...] = ()  # [L] group of each layer
+    budget: float | None = None  # the budget the tables were compiled for (None: no policy)
     release_window: int = 8
     sinks: int = 1
     rank: str = "recency"  # or "dapq"
@@ -63,6 +64,7 @@ class PaskKV(KVMethod):
             retain=tuple(map(tuple, t.retain.tolist())),
             group_fractions=tuple(t.group_fractions.tolist()),
             layer_group=tuple(g for g, (a, b) in enumerate(groups) for _ in range(a, b)),
+            budget=t.budget,
             release_window=policy.release_window,
             **overrides,
         )
@@ -84,6 +86,8 @@ class PaskKV(KVMethod):
             return np.full(num_layers, budget)
         if len(self.layer_group) != num_layers:
             raise ValueError(f"PASK policy covers {len(self.layer_group)} layers, the model has {num_layers}")
+        if self.budget is not None and abs(self.budget - budget) > 1e-9:
+            raise ValueError(f"PASK's policy table was compiled for budget {self.budget}, the engine runs at {budget}")
         return np.asarray([self.group_fractions[g] for g in self.layer_group])
 
     def _score(self, priority: jax.Array, roles: jax.Array, tier: jax.Array, positions: jax.Array) -> jax.Array:
