@@ -17,12 +17,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+DEMO := results/demo
+# The main job: the shipped OpenAI-format requests through full KV and PASK at b = 0.33, then side by side.
+# Reruns resume (answered custom_ids are skipped); delete $(DEMO) to run afresh.
 demo: venv
 	$(VENV)/bin/pask-jax fetch-model qwen2.5-coder-0.5b
-	$(VENV)/bin/pask-jax demo --model qwen2.5-coder-0.5b -n 3
-	# the main job on a short sample: grammar-constrained BFCL, full KV vs a compressed baseline
-	$(VENV)/bin/pask-jax bfcl --model qwen2.5-coder-0.5b --methods full,snapkv --budget 0.33 --categories all \
-		--limit 2 --max-new-tokens 96 --out results/demo_bfcl.json
+	$(VENV)/bin/pask-jax run -i examples/requests.jsonl -o $(DEMO)/full.jsonl --method full
+	$(VENV)/bin/pask-jax run -i examples/requests.jsonl -o $(DEMO)/pask-0.33.jsonl --method pask --budget 0.33
+	$(VENV)/bin/pask-jax compare examples/requests.jsonl $(DEMO)/full.jsonl $(DEMO)/pask-0.33.jsonl
 
 test: venv
 	$(VENV)/bin/ruff check pask_jax tests scripts

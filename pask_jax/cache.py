@@ -25,15 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pask_jax.kernels.gather_attention import DEFAULT_BLOCK_SIZE, gather_attention_kernel
-
-
-def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax over the last axis where `mask` (broadcastable) is True; fully masked rows give zeros, never NaN.
-
-    A finite fill (not -inf) keeps a fully masked row finite before it is zeroed.
-    """
-    return jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1), 0.0)
+from pask_jax.kernels import gather_attention, masked_softmax
 
 
 def pool_attention_probs(
@@ -172,20 +164,16 @@ class GroupCache:
     def attend(self, layer: int, q: jax.Array, use_kernel: bool = False) -> jax.Array:
         """Decode attention of q (f[B, N, H], RoPE applied) to the live slots of one layer -> f[B, N, H].
 
+        `use_kernel`: the Pallas kernel of `jax.default_backend()` through `pask_jax.kernels.gather_attention` (on
+        CPU the TPU kernel, interpreted); otherwise XLA attention over the whole pool.
         For methods that need the attention weights (H2O), use `pool_attention_probs` on the XLA path.
         """
         b, n, h = q.shape
         kv_heads = self.k.shape[2]
         qg = q.reshape(b, kv_heads, n // kv_heads, h)  # [B, K, G, H]
-        if use_kernel:  # Pallas: gathers the live slots named by the table; interpreted off-TPU
-            out = gather_attention_kernel(
-                qg,
-                self.k[layer],
-                self.v[layer],
-                self.table[layer],
-                self.length[layer],
-                block_size=math.gcd(self.capacity, DEFAULT_BLOCK_SIZE),
-                interpret=jax.default_backend() != "tpu",
+        if use_kernel:  # Pallas: the backend's kernel gathers the live slots named by the table
+            out = gather_attention(
+                qg, self.k[layer], self.v[layer], self.table[layer], self.length[layer], use_kernel=True
             )
         else:  # XLA: attend over the whole pool with the live mask, no gather
             out = pool_attention(qg, self.k[layer], self.v[layer], self.pos[layer] >= 0)

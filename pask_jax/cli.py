@@ -1,16 +1,16 @@
-"""Command line: `pask-jax fetch-model`, `pask-jax demo`, `pask-jax bfcl`, `pask-jax calibrate`, `pask-jax bench`."""
+"""Command line: `pask-jax run | compare | bfcl | calibrate | bench | fetch-model` (`pask-jax CMD --help`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 
 from pask_jax.bfcl import SPLIT_RULE, SPLIT_RULES, SPLITS
 from pask_jax.models.fetch import MODELS, FetchError, fetch_model
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+METHOD_NAMES = ("full", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "dapq", "pask")  # = methods.METHODS
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> None:
@@ -18,34 +18,30 @@ def cmd_fetch_model(args: argparse.Namespace) -> None:
     print(f"{args.name}: {path}  ({MODELS[args.name].license})")
 
 
-def cmd_demo(args: argparse.Namespace) -> None:
-    """Load the model, greedy-generate a tool call for the first BFCL prompts, print them."""
-    from pask_jax import Engine, SamplingConfig, load_model, load_tokenizer
-    from pask_jax.bfcl import load_category
-    from pask_jax.models.chat_template import bfcl_prompt
+def _llm_options(args: argparse.Namespace) -> dict:
+    policy = None if args.policy in (None, "none") else args.policy
+    return dict(method=args.method, budget=args.budget, policy=policy if args.method == "pask" else None)
 
-    t0 = time.perf_counter()
-    model = load_model(args.model)
-    tokenizer = load_tokenizer(args.model)
-    print(f"loaded {model.config.name} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    items = load_category(args.category)[: args.n]
-    prompts = [tokenizer.encode(bfcl_prompt(item)) for item in items]
-    engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids)
-    t0 = time.perf_counter()
-    generations = engine.generate(prompts, SamplingConfig(max_new_tokens=args.max_new_tokens))
-    wall = time.perf_counter() - t0
-    for item, gen in zip(items, generations, strict=True):
-        print(f"--- {item['id']}: {item['question'][0][-1]['content']}")
-        print(tokenizer.decode(gen.tokens))
-    tokens = sum(g.stats.generated_tokens for g in generations)
-    summary = {
-        "prompts": len(prompts),
-        "prompt_tokens": [g.stats.prompt_tokens for g in generations],
-        "generated_tokens": tokens,
-        "ttft_s": round(generations[0].stats.ttft_s, 2),
-        "wall_s": round(wall, 2),
-    }
-    print(json.dumps(summary), file=sys.stderr)
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """OpenAI Batch lines -> chat.completion lines, resumable by custom_id; exit status 1 if any line failed."""
+    from pask_jax.batch import run_batch
+
+    def build():
+        from pask_jax.llm import LLM
+
+        return LLM(args.model, max_batch=args.max_batch, **_llm_options(args))
+
+    summary = run_batch(build, args.input, args.output)
+    print(summary.line(), file=sys.stderr)
+    return 1 if summary.failed or summary.failed_before else 0
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    """Side by side: the answers of several `pask-jax run` outputs to one input, with kept/full KV and schema checks."""
+    from pask_jax.compare import compare_outputs, format_comparison
+
+    print(format_comparison(compare_outputs(args.input, args.outputs)))
 
 
 def cmd_bfcl(args: argparse.Namespace) -> None:
@@ -103,6 +99,7 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     """Calibration statistics on the BFCL calibration split (or `--stats` from an earlier run) -> compiled policy."""
+    from pask_jax import load_model, load_tokenizer
     from pask_jax.calibration.compiler import compile_policy
     from pask_jax.calibration.run import (
         DEFAULT_LEVELS,
@@ -111,15 +108,17 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         calibration_items,
         init_distributed,
     )
+    from pask_jax.models.loading import load_config
+    from pask_jax.policy import ModelFingerprint
 
     init_distributed()  # multi-host pods: env-driven, a no-op on one machine
     budgets = [float(b) for b in args.budgets.split(",")]
+    tokenizer = load_tokenizer(args.model)
+    fits = ModelFingerprint.of(load_config(args.model), tokenizer)
     if args.stats:
         stats = CalibrationStats.load(args.stats)
     else:
-        from pask_jax import load_model, load_tokenizer
-
-        model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+        model = load_model(args.model)
         stats = calibrate(
             model,
             tokenizer,
@@ -127,6 +126,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
             groups=args.groups,
             levels=[float(x) for x in args.levels.split(",")] if args.levels else DEFAULT_LEVELS,
             target=args.target,
+            rule=args.split_rule,
             checkpoint_dir=args.checkpoint,
         )
         stats.save(f"{args.out}.stats.json")
@@ -136,6 +136,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         tolerance=args.tolerance,
         floor_share=args.floor_share,
         ablation=args.ablation,
+        fits=fits,
         notes=f"pask-jax calibrate {' '.join(sys.argv[2:])}",
     )
     path = policy.save(args.out)
@@ -168,12 +169,21 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("fetch-model", help="download, verify and assemble a registered checkpoint")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(MODELS))
     p.set_defaults(func=cmd_fetch_model)
-    p = sub.add_parser("demo", help="greedy tool calls for a few BFCL prompts")
+    p = sub.add_parser("run", help="OpenAI Batch requests (JSONL) -> chat.completion results (JSONL), resumable")
+    p.add_argument("-i", "--input", required=True, help="OpenAI Batch input lines (custom_id, method, url, body)")
+    p.add_argument("-o", "--output", required=True, help="results, appended; a rerun skips answered custom_ids")
     p.add_argument("--model", default=DEFAULT_MODEL, help="registered name, .gguf file or HF checkpoint directory")
-    p.add_argument("--category", default="simple_python")
-    p.add_argument("-n", type=int, default=3, help="number of prompts")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.set_defaults(func=cmd_demo)
+    p.add_argument("--method", default="pask", choices=sorted(METHOD_NAMES))
+    p.add_argument("--budget", type=float, default=0.33, help="total KV budget in (0, 1] (full KV: 1)")
+    p.add_argument(
+        "--policy", default="auto", help="PASK policy: auto (the shipped one that fits the model), a directory, none"
+    )
+    p.add_argument("--max-batch", type=int, default=8, help="rows per micro-batch")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("compare", help="print the answers of several `run` outputs side by side")
+    p.add_argument("input", help="the input JSONL the outputs answer")
+    p.add_argument("outputs", nargs="+", help="`pask-jax run` output files")
+    p.set_defaults(func=cmd_compare)
     p = sub.add_parser("bfcl", help="score methods on BFCL (evaluation split) with grammar-constrained decoding")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument(
@@ -238,12 +248,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="a benchmark and its flags (`pask-jax bench serving --help`)")
     p.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
-    if args.command in ("demo", "bfcl", "calibrate"):
+    if args.command in ("run", "bfcl", "calibrate"):
         enable_compile_cache()
     try:
-        args.func(args)
+        status = args.func(args)
     except (FetchError, ValueError, ModuleNotFoundError) as e:
         parser.exit(2, f"pask-jax {args.command}: error: {e}\n")
+    sys.exit(status or 0)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ and samples. The host loop only moves B token ids (and B kept-entry counts) per 
 
 `generate_shared` runs several engines over one model on the same prompts: prefill attention is uncompressed for
 every method, so one forward serves them all and each method fills its own cache from it (method sweeps).
+
+For measuring (the benchmarks): `Engine.batch_shape` is the shape a generate call compiles for (prompt bucket, padded
+batch, new-token bucket, cache capacities), `Engine.cache_bytes` the bytes its caches take, `Engine.lower` its
+prefill and decode step lowered for XLA's memory analysis or HLO, and `generate(..., on_step=)` reports each step's
+wall time.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +33,7 @@ from pask_jax.layers import layer_groups
 from pask_jax.methods import FullKV, KVMethod
 from pask_jax.methods.base import PrefillContext, budget_capacity
 from pask_jax.models.qwen3 import ModelConfig, Qwen3, attention, attention_probs
+from pask_jax.structure.constraint import TokenConstraint
 
 # Prompt length buckets: steps of 1.5x keep padding under a third while bounding the number of compiles.
 DEFAULT_LENGTH_BUCKETS = (
@@ -91,15 +97,9 @@ class Generation:
     stats: RequestStats
 
 
-# The host side of constrained decoding (the grammar issue implements it): before each step it gives the
-# allowed tokens as packed bits i32[B, ceil(V/32)]; after it, it is told the sampled tokens and returns their
-# role ids i32[B] (stored with the cache entries).
-class TokenConstraint:
-    def mask(self) -> np.ndarray:
-        raise NotImplementedError
-
-    def advance(self, tokens: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+def mask_words(vocab_size: int) -> int:
+    """Words per row of a packed token mask (i32[B, ceil(V/32)]): one bit per token id."""
+    return -(-vocab_size // 32)
 
 
 def unpack_mask(bits: jax.Array, vocab: int) -> jax.Array:
@@ -130,11 +130,57 @@ def _sample_masked(logits: jax.Array, bits: jax.Array, key: jax.Array, temperatu
     return sample(jnp.where(unpack_mask(bits, logits.shape[-1]), logits, -jnp.inf), key, temperature, top_p)
 
 
-def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
+def length_bucket(n: int, buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS) -> int:
+    """The smallest of the sorted `buckets` that holds a prompt of `n` tokens (what prefill pads to)."""
     for b in buckets:
         if n <= b:
             return b
-    raise ValueError(f"{what} of {n} tokens exceeds the largest length bucket {buckets[-1]}")
+    raise ValueError(f"a prompt of {n} tokens exceeds the largest length bucket {buckets[-1]}")
+
+
+def padded_batch(rows: int) -> int:
+    """The batch the arrays of `rows` sequences have: padded to a power of two, so few batch sizes compile."""
+    return 1 << (rows - 1).bit_length()
+
+
+def new_token_bucket(max_new_tokens: int) -> int:
+    """Decode capacity sized for `max_new_tokens`: rounded up to NEW_TOKEN_BUCKET, so nearby values share a compile."""
+    return -(-max_new_tokens // NEW_TOKEN_BUCKET) * NEW_TOKEN_BUCKET
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """The static shapes of one generate call: what its prefill and decode steps are compiled for.
+
+    From `Engine.batch_shape`; equal shapes mean the same compiled steps (and the same cache bytes).
+    """
+
+    rows: int  # real sequences
+    padded_rows: int  # rows of every array: `padded_batch(rows)`
+    prompt_bucket: int  # prompt positions: the longest prompt's `length_bucket`
+    new_token_bucket: int  # new tokens the caches are sized for: `new_token_bucket(max_new_tokens)`
+    capacities: tuple[int, ...]  # slots per (layer, sequence, KV head) of each layer group
+
+    def pad(
+        self, prompts: Sequence[Sequence[int]], prompt_roles: Sequence[Sequence[int]] | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Right-pad prompts (and their roles) to this shape -> tokens i32[B, T], lengths i32[B], roles i32[B, T].
+
+        Padding rows get length 1 (a valid position, so their attention is defined); their output is dropped.
+        """
+        if len(prompts) != self.rows or (prompt_roles is not None and len(prompt_roles) != self.rows):
+            raise ValueError(f"this shape holds {self.rows} prompts (and as many role lists), not {len(prompts)}")
+        tokens = np.zeros((self.padded_rows, self.prompt_bucket), np.int32)
+        roles = np.zeros((self.padded_rows, self.prompt_bucket), np.int32)
+        lengths = np.ones(self.padded_rows, np.int32)
+        for i, p in enumerate(prompts):
+            if not 0 < len(p) <= self.prompt_bucket:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; this shape holds 1..{self.prompt_bucket}")
+            tokens[i, : len(p)] = p
+            lengths[i] = len(p)
+            if prompt_roles is not None:
+                roles[i, : len(p)] = prompt_roles[i]
+        return tokens, lengths, roles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,13 +211,18 @@ class StepPlan:
             for start, stop in self.groups
         )
 
-    def fill(self, kv, scores, ctx: PrefillContext, capacities: tuple[int, ...]):
-        """Keep each layer's best-scored prompt entries (up to its quota) in fresh caches -> caches, kept i32[B]."""
-        cfg, (b, t) = self.cfg, ctx.tokens.shape
-        caches = [
-            GroupCache.empty(stop - start, b, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype)
+    def empty_caches(self, batch: int, capacities: tuple[int, ...]) -> list[GroupCache]:
+        """One empty cache per layer group, `capacities[g]` slots per (layer, sequence, KV head)."""
+        cfg = self.cfg
+        return [
+            GroupCache.empty(stop - start, batch, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype)
             for (start, stop), capacity in zip(self.groups, capacities, strict=True)
         ]
+
+    def fill(self, kv, scores, ctx: PrefillContext, capacities: tuple[int, ...]):
+        """Keep each layer's best-scored prompt entries (up to its quota) in fresh caches -> caches, kept i32[B]."""
+        t = ctx.tokens.shape[1]
+        caches = self.empty_caches(ctx.tokens.shape[0], capacities)
         for layer, (k, v) in enumerate(kv):
             g, li = self._layer_slot(layer)
             n_keep = min(t, capacities[g])
@@ -289,6 +340,38 @@ _prefill = jax.jit(prefill_plans, static_argnums=(0, 5))
 _decode = jax.jit(StepPlan.decode, static_argnums=(0, 9, 10), donate_argnums=(2,))
 
 
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """Host wall-clock time of one step of a generate call: what an `on_step` callback receives.
+
+    Step 0 is the prefill (one forward over the padded prompts, until its logits are ready); step k >= 1 is the k-th
+    decode step, which produces token k + 1 of every live row (the first token comes from the prefill logits).
+    """
+
+    step: int
+    seconds: float  # prefill: until its logits are ready; decode: the whole step, the value `token_times_s` records
+    call_seconds: float  # the jitted call alone until its outputs are on the host (decode: without the grammar mask)
+
+
+StepCallback = Callable[[StepTiming], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredSteps:
+    """The engine's jitted prefill and decode step lowered for one `BatchShape`, with the arguments generate passes.
+
+    For XLA's view of them: `prefill.compile().memory_analysis()`, `decode.compile().as_text()`. Compiling a shape
+    that `generate` already ran reuses its executable (and the other way round).
+    """
+
+    prefill: jax.stages.Lowered
+    decode: jax.stages.Lowered
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
 class Engine:
     """Batched prefill + jitted decode over a ragged, budget-sized KV cache.
 
@@ -337,10 +420,87 @@ class Engine:
     def capacities(self, prompt_bucket: int, new_tokens: int) -> tuple[int, ...]:
         return self.plan.capacities(prompt_bucket, new_tokens)
 
+    def batch_shape(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> BatchShape:
+        """The shapes `generate` compiles for prompts of these lengths and up to `max_new_tokens` new tokens each.
+
+        Raises ValueError for an empty batch or prompt, a prompt past the largest length bucket, or one that with
+        `max_new_tokens` exceeds the context limit.
+        """
+        lengths = [int(n) for n in prompt_lengths]
+        if not lengths or min(lengths) < 1:
+            raise ValueError("every prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        longest = max(lengths)
+        if self.max_context is not None and longest + max_new_tokens > self.max_context:
+            raise ValueError(
+                f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the context "
+                f"limit {self.max_context}"
+            )
+        prompt_bucket = length_bucket(longest, self.length_buckets)
+        new_bucket = new_token_bucket(max_new_tokens)
+        return BatchShape(
+            rows=len(lengths),
+            padded_rows=padded_batch(len(lengths)),
+            prompt_bucket=prompt_bucket,
+            new_token_bucket=new_bucket,
+            capacities=self.capacities(prompt_bucket, new_bucket),
+        )
+
+    def cache_bytes(self, shape: BatchShape) -> int:
+        """Bytes of the KV caches a call of this shape allocates, from their shapes alone (nothing is allocated)."""
+        caches = jax.eval_shape(lambda: self.plan.empty_caches(shape.padded_rows, shape.capacities))
+        return sum(c.nbytes() for c in caches)
+
+    def lower(self, shape: BatchShape, sampling: SamplingConfig = SamplingConfig()) -> LoweredSteps:
+        """Lower the jitted prefill and decode step for `shape`, with the abstract arguments `generate` gives them."""
+        b, t = shape.padded_rows, shape.prompt_bucket
+        params = jax.tree.map(_abstract, self.params)
+        rows = jax.ShapeDtypeStruct((b,), jnp.int32)  # token ids, lengths, positions, roles: i32[B]
+        grid = jax.ShapeDtypeStruct((b, t), jnp.int32)  # padded prompt tokens and roles: i32[B, T]
+        prefill = _prefill.lower((self.plan,), params, grid, rows, grid, (shape.capacities,))
+        caches = jax.eval_shape(lambda: self.plan.empty_caches(b, shape.capacities))
+        bits = jax.ShapeDtypeStruct((b, mask_words(self.cfg.vocab_size)), jnp.int32)
+        key = jax.eval_shape(lambda: jax.random.key(sampling.seed))
+        decode = _decode.lower(
+            self.plan, params, caches, rows, rows, rows, rows, bits, key, sampling.temperature, sampling.top_p
+        )
+        return LoweredSteps(prefill=prefill, decode=decode)
+
     def prefill(self, tokens: np.ndarray, lengths: np.ndarray, roles: np.ndarray, capacities: tuple[int, ...]):
         """Jitted prefill of right-padded prompts -> (last-token logits, caches, kept entries per sequence)."""
         logits, ((caches, kept),) = _prefill((self.plan,), self.params, tokens, lengths, roles, (capacities,))
         return logits, caches, kept
+
+    def decode_step(
+        self,
+        caches: list[GroupCache],
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        roles: np.ndarray,
+        prompt_lengths: np.ndarray,
+        mask_bits: jax.Array | np.ndarray,
+        key: jax.Array,
+        sampling: SamplingConfig = SamplingConfig(),
+    ):
+        """One jitted decode step over the padded rows; `caches` are donated (use the returned ones).
+
+        tokens i32[B] at positions i32[B] with roles i32[B], prompt_lengths i32[B], packed token mask
+        i32[B, ceil(V/32)] -> (next tokens i32[B], caches, kept entries per row i32[B], overflow bool[]).
+        """
+        return _decode(
+            self.plan,
+            self.params,
+            caches,
+            tokens,
+            positions,
+            roles,
+            prompt_lengths,
+            mask_bits,
+            key,
+            sampling.temperature,
+            sampling.top_p,
+        )
 
     def generate(
         self,
@@ -349,28 +509,36 @@ class Engine:
         *,
         prompt_roles: Sequence[Sequence[int]] | None = None,
         constraint: TokenConstraint | None = None,
+        on_step: StepCallback | None = None,
     ) -> list[Generation]:
-        """Generate for a batch of token-id prompts; returns one Generation per prompt, in order."""
-        return generate_shared([self], prompts, sampling, prompt_roles=prompt_roles, constraints=[constraint])[0]
+        """Generate for a batch of token-id prompts; returns one Generation per prompt, in order.
+
+        `on_step`, if given, is called with the `StepTiming` of the prefill and then of every decode step.
+        """
+        return generate_shared(
+            [self], prompts, sampling, prompt_roles=prompt_roles, constraints=[constraint], on_steps=[on_step]
+        )[0]
 
     def _decode_loop(
         self,
-        n: int,
+        shape: BatchShape,
         logits: jax.Array,
         caches: list[GroupCache],
         kept: jax.Array,
-        lengths: np.ndarray,  # i32[B_bucket], 1 for padding rows
+        lengths: np.ndarray,  # i32[B_padded], 1 for padding rows
         sampling: SamplingConfig,
         constraint: TokenConstraint | None,
         prefill_s: float,
+        on_step: StepCallback | None,
     ) -> list[Generation]:
         """The host loop after prefill: sample, advance the grammar, one jitted decode step per token."""
         cfg = self.cfg
-        b_bucket = lengths.shape[0]
-        capacities = tuple(int(c.k.shape[3]) for c in caches)
+        n, b_bucket = shape.rows, shape.padded_rows
+        if on_step is not None:
+            on_step(StepTiming(0, prefill_s, prefill_s))
         kept = np.asarray(kept)
         start = time.perf_counter()
-        no_constraint = jnp.full((b_bucket, -(-cfg.vocab_size // 32)), -1, jnp.int32)
+        no_constraint = jnp.full((b_bucket, mask_words(cfg.vocab_size)), -1, jnp.int32)
         key = jax.random.key(sampling.seed)
         # The first token comes from the prefill logits: one decode step per later token.
         bits = no_constraint if constraint is None else _pad_rows(constraint.mask(), b_bucket)
@@ -404,27 +572,23 @@ class Engine:
             t0 = time.perf_counter()
             bits = no_constraint if constraint is None else _pad_rows(constraint.mask(), b_bucket)
             key, sub = jax.random.split(key)
-            next_tokens, caches, kept, overflow = _decode(
-                self.plan,
-                self.params,
-                caches,
-                current,
-                positions,
-                step_roles,
-                lengths,
-                bits,
-                sub,
-                sampling.temperature,
-                sampling.top_p,
+            call_start = time.perf_counter()
+            next_tokens, caches, kept, overflow = self.decode_step(
+                caches, current, positions, step_roles, lengths, bits, sub, sampling
             )
-            current, kept = np.asarray(next_tokens), np.asarray(kept)
-            if bool(overflow):
-                raise RuntimeError(f"KV cache overflow: method {self.method.name!r} exceeded capacities {capacities}")
+            current, kept, overflowed = np.asarray(next_tokens), np.asarray(kept), bool(overflow)
+            call_s = time.perf_counter() - call_start
+            if overflowed:
+                raise RuntimeError(
+                    f"KV cache overflow: method {self.method.name!r} exceeded capacities {shape.capacities}"
+                )
             dt = time.perf_counter() - t0
             for i in np.flatnonzero(~done[:n]):
                 stats[i].token_times_s.append(dt)
                 stats[i].kept_ratios.append(kept[i] / (full_per_token * (positions[i] + 1)))
             positions += 1
+            if on_step is not None:
+                on_step(StepTiming(step + 1, dt, call_s))
         return [Generation(outputs[i], finish[i], stats[i]) for i in range(n)]
 
 
@@ -435,16 +599,20 @@ def generate_shared(
     *,
     prompt_roles: Sequence[Sequence[int]] | None = None,
     constraints: Sequence[TokenConstraint | None] | None = None,
+    on_steps: Sequence[StepCallback | None] | None = None,
 ) -> list[list[Generation]]:
     """Generate the same prompts with several engines over one model: one shared prefill, then each decodes.
 
     Returns, per engine, one Generation per prompt. Each engine needs its own constraint (grammar state is per
-    sequence). Every engine's TTFT counts the whole shared prefill.
+    sequence); `on_steps` gives each engine its own step-timing callback (see `Engine.generate`). Every engine's
+    TTFT, and the prefill timing each callback gets, is the whole shared prefill.
     """
     first = engines[0]
     constraints = list(constraints) if constraints is not None else [None] * len(engines)
-    if len(constraints) != len(engines):
-        raise ValueError(f"{len(constraints)} constraints for {len(engines)} engines: give one per engine")
+    on_steps = list(on_steps) if on_steps is not None else [None] * len(engines)
+    for given, what in ((constraints, "constraints"), (on_steps, "step callbacks")):
+        if len(given) != len(engines):
+            raise ValueError(f"{len(given)} {what} for {len(engines)} engines: give one per engine")
     shared_leaves = jax.tree.leaves(first.params)
     for engine in engines[1:]:
         same = engine.plan.graphdef == first.plan.graphdef and all(
@@ -452,40 +620,30 @@ def generate_shared(
         )
         if not same or (engine.length_buckets, engine.max_context) != (first.length_buckets, first.max_context):
             raise ValueError("generate_shared needs engines over the same model, length buckets and context limit")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    cfg = first.cfg
-    n = len(prompts)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    longest = int(lengths.max())
-    if first.max_context is not None and longest + sampling.max_new_tokens > first.max_context:
-        raise ValueError(
-            f"prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} exceeds the context "
-            f"limit {first.max_context}"
-        )
-    if any(t < 0 or t >= cfg.vocab_size for p in prompts for t in p):
-        raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
-    t_bucket = _bucket(longest, first.length_buckets, "a prompt")
-    b_bucket = 1 << (n - 1).bit_length()  # batch padded to a power of two: few compiles
-    tokens = np.zeros((b_bucket, t_bucket), np.int32)
-    roles = np.zeros((b_bucket, t_bucket), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-        if prompt_roles is not None:
-            roles[i, : len(p)] = prompt_roles[i]
-    all_lengths = np.ones(b_bucket, np.int32)
-    all_lengths[:n] = lengths
-    new_bucket = -(-sampling.max_new_tokens // NEW_TOKEN_BUCKET) * NEW_TOKEN_BUCKET
-    capacities = tuple(engine.capacities(t_bucket, new_bucket) for engine in engines)
+    for engine, constraint in zip(engines, constraints, strict=True):
+        if engine.method.needs_roles and prompt_roles is None and constraint is None:
+            raise ValueError(
+                f"method {engine.method.name!r} decides by token roles, and this batch has none: give prompt_roles "
+                "or a constraint (a grammar, or FreeTextConstraint), e.g. through pask_jax.LLM"
+            )
+    lengths = [len(p) for p in prompts]
+    shapes = [engine.batch_shape(lengths, sampling.max_new_tokens) for engine in engines]
+    vocab = first.cfg.vocab_size
+    if any(t < 0 or t >= vocab for p in prompts for t in p):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    tokens, all_lengths, roles = shapes[0].pad(prompts, prompt_roles)
 
     start = time.perf_counter()
     plans = tuple(engine.plan for engine in engines)
+    capacities = tuple(shape.capacities for shape in shapes)
     logits, filled = _prefill(plans, first.params, tokens, all_lengths, roles, capacities)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - start
     return [
-        engine._decode_loop(n, logits, caches, kept, all_lengths, sampling, constraint, prefill_s)
-        for engine, (caches, kept), constraint in zip(engines, filled, constraints, strict=True)
+        engine._decode_loop(shape, logits, caches, kept, all_lengths, sampling, constraint, prefill_s, on_step)
+        for engine, shape, (caches, kept), constraint, on_step in zip(
+            engines, shapes, filled, constraints, on_steps, strict=True
+        )
     ]
 
 

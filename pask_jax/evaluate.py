@@ -25,8 +25,8 @@ from pask_jax.methods import METHODS
 from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import Tokenizer
-from pask_jax.policy import PersistencePolicy
-from pask_jax.structure.grammar import GrammarConstraint, compile_grammar
+from pask_jax.policy import ModelFingerprint, PersistencePolicy
+from pask_jax.structure import GrammarConstraint, bfcl_function, compile_grammar
 from pask_jax.structure.prompt_roles import prompt_roles
 
 
@@ -114,8 +114,8 @@ def run_category(
     for start in range(0, len(items), cfg.batch_size):
         idx = [int(i) for i in order[start : start + cfg.batch_size]]
         functions = [bfcl_python_functions(items[i]["function"]) for i in idx]
-        grammars = [compile_grammar(f, tokenizer, framing=cfg.framing) for f in functions]
-        roles = [prompt_roles(texts[i], tokenizer, functions[k]) for k, i in enumerate(idx)]
+        grammars = [compile_grammar([bfcl_function(x) for x in f], tokenizer, framing=cfg.framing) for f in functions]
+        roles = [prompt_roles(texts[i], tokenizer, items[i]["question"][0], functions[k]) for k, i in enumerate(idx)]
         constraints = [GrammarConstraint(grammars, engine.cfg.vocab_size) for engine in engines.values()]
         outputs = generate_shared(
             list(engines.values()),
@@ -149,16 +149,19 @@ def build_engines(
     method_config: dict[str, dict],
     policies: dict[str, PersistencePolicy],
 ) -> dict[tuple[str, float], Engine]:
-    """One engine per (method spec, budget). A spec is a method name, or `pask:LABEL` for PASK under the policy
-    labelled LABEL (ablations side by side); plain `pask` takes the policy labelled "pask", else runs uncalibrated.
-    Hyper-parameters: the method's config section, then the spec's own section (e.g. `["pask:dapq_rank"]`)."""
+    """One engine per (method spec, budget). A spec is a method name or `NAME:LABEL`, a labelled variant: its own
+    config section `["NAME:LABEL"]` (e.g. `["snapkv:w8"]`, for hyper-parameter sweeps side by side) and, for PASK,
+    the policy labelled LABEL if one is given (ablations). Plain `pask` takes the policy labelled "pask", else runs
+    uncalibrated. Hyper-parameters: the method's config section, then the spec's own section."""
     engines = {}
     for spec in cfg.methods:
         name, _, label = spec.partition(":")
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r} in {spec!r}; known: {', '.join(METHODS)}")
-        if label and (name != "pask" or label not in policies):
-            raise ValueError(f"{spec!r}: only pask takes a policy label, and {label!r} must name a --policy LABEL=PATH")
+        if label and spec not in method_config and not (name == "pask" and label in policies):
+            raise ValueError(
+                f"{spec!r}: a label must name a method-config section [{spec!r}] (or, for pask, a --policy LABEL=PATH)"
+            )
         policy = policies.get(label or "pask") if name == "pask" else None
         overrides = method_config.get(name, {}) | method_config.get(spec, {})
         for budget in cfg.budgets if name != "full" else (1.0,):  # full KV ignores the budget: run it once
@@ -190,8 +193,9 @@ def run_bfcl(
     policies = policies or {}
     samples = {category: cfg.sample(category) for category in cfg.categories}
     sample_ids = {item["id"] for items in samples.values() for item in items}
+    fingerprint = ModelFingerprint.of(model.config, tokenizer)
     for label, policy in policies.items():
-        policy.check_compatible(model_name, model.config.num_layers)
+        policy.check_fits(fingerprint)
         outside = [i for i in policy.calibration_items if not bfcl.is_calibration(i, cfg.split_rule)]
         if outside:
             raise ValueError(

@@ -116,15 +116,6 @@ class PersistencePolicy:
                 return t
         raise PolicyError(f"no policy table for budget {budget}; compiled budgets: {[t.budget for t in self.tables]}")
 
-    def check_compatible(self, model: str, num_layers: int) -> None:
-        if self.taxonomy != TAXONOMY_VERSION:
-            raise PolicyError(f"policy uses role taxonomy {self.taxonomy!r}, this build uses {TAXONOMY_VERSION!r}")
-        if self.num_layers != num_layers or (model and self.model != model):
-            raise PolicyError(
-                f"policy was calibrated for {self.model!r} ({self.num_layers} layers), "
-                f"not for {model!r} ({num_layers} layers): calibrate one for this model"
-            )
-
     def check_fits(self, fingerprint: ModelFingerprint) -> None:
         """Refuse a model this policy was not calibrated for, naming both fingerprints."""
         if self.fits is None:
@@ -134,6 +125,20 @@ class PersistencePolicy:
                 f"policy for {self.model!r} fits [{self.fits.describe()}], not this model [{fingerprint.describe()}]: "
                 "calibrate one for this model with `pask-jax calibrate`"
             )
+
+    def content_hash(self) -> str:
+        """sha256 (first 16 hex digits) of what decides behaviour: the tables, groups, window and fingerprint.
+
+        Notes and calibration item ids do not count: a recompiled identical policy keeps its hash."""
+        digest = hashlib.sha256()
+        head = {"fits": dataclasses.asdict(self.fits) if self.fits else None, "groups": self.groups}
+        head |= {"release_window": self.release_window, "taxonomy": self.taxonomy, "num_layers": self.num_layers}
+        digest.update(json.dumps(head, sort_keys=True).encode())
+        for t in self.tables:
+            digest.update(np.float64(t.budget).tobytes())
+            for array in (t.floor, t.priority, t.retain, t.group_fractions):
+                digest.update(np.ascontiguousarray(array, np.float32).tobytes())
+        return digest.hexdigest()[:16]
 
     def summary(self) -> dict:
         names = role_names()
@@ -227,3 +232,15 @@ def find_shipped_policy(fingerprint: ModelFingerprint, root: Path = SHIPPED_POLI
         f"no shipped PASK policy fits this model [{fingerprint.describe()}]: calibrate one with `pask-jax calibrate "
         "--model M --data requests.jsonl --out DIR` and pass policy=DIR (or run PASK uncalibrated with policy=None)"
     )
+
+
+def resolve_policy(spec: str | Path | PersistencePolicy | None, fingerprint: ModelFingerprint):
+    """A policy as users name one: "auto" (the shipped policy that fits), a directory or a loaded policy (refused if
+    it fits another model), or None (no policy)."""
+    if spec is None:
+        return None
+    if isinstance(spec, str) and spec == "auto":
+        return find_shipped_policy(fingerprint)
+    policy = spec if isinstance(spec, PersistencePolicy) else PersistencePolicy.load(spec)
+    policy.check_fits(fingerprint)
+    return policy

@@ -47,16 +47,14 @@ gpu_backend || { echo "jax sees no GPU" >&2; exit 1; }
 
 echo "== GPU kernel parity tests, compiled"
 tests_rc=0 # on failure, still benchmark (the JSON records the kernel's error), then exit non-zero
-PASK_GPU_KERNEL_COMPILED=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_gather_attention_gpu.py 2>&1 |
+PASK_GPU_KERNEL_COMPILED=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 |
     tee "$OUT/pytest_gpu.log" || tests_rc=$?
 
 echo "== kernel micro-benchmark"
-"$PY" scripts/bench_kernel.py --kernel gpu --quick --out "$OUT/bench_kernel_gpu.json"
-"$PY" scripts/bench_kernel.py --kernel gpu --quick --dtype bfloat16 --out "$OUT/bench_kernel_gpu_bf16.json"
+"$PY" -m pask_jax.bench kernel --kernel gpu --quick --out "$OUT/bench_kernel_gpu.json"
+"$PY" -m pask_jax.bench kernel --kernel gpu --quick --dtype bfloat16 --out "$OUT/bench_kernel_gpu_bf16.json"
 
-if [ -f scripts/bench_serving.py ]; then
-    echo "== serving benchmark"
-    # shellcheck disable=SC2086  # SERVING_ARGS is a list of words
-    timeout "${SERVING_TIMEOUT:-150}" "$PY" scripts/bench_serving.py --quick --out "$OUT/serving_gpu.json" ${SERVING_ARGS:-}
-fi
+echo "== serving benchmark"
+# shellcheck disable=SC2086  # SERVING_ARGS is a list of words
+timeout "${SERVING_TIMEOUT:-150}" "$PY" -m pask_jax.bench serving --quick --out "$OUT/serving_gpu.json" ${SERVING_ARGS:-}
 exit "$tests_rc"

@@ -1,14 +1,18 @@
-"""The engine with full KV: cached generation equals step-by-step full-forward generation."""
+"""The engine: cached generation equals step-by-step full-forward generation; its shapes, lowered steps, timings."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from pask_jax.engine import Engine, SamplingConfig
+from pask_jax.engine import Engine, SamplingConfig, generate_shared, mask_words
+from pask_jax.methods import make_method
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one per XLA backend compile
 
 PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 120], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 
@@ -74,3 +78,101 @@ def test_bad_input_is_named(model: Qwen3):
         Engine(model, budget=1.5)
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[]], SamplingConfig(max_new_tokens=4))
+
+
+# ---- the engine's shapes, cache bytes, lowered steps and step timings ------------------------------------------------
+
+_compiles = [0]
+
+
+def _count_compiles(event: str, seconds: float, **kwargs) -> None:
+    _compiles[0] += event == COMPILE_EVENT
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def snapkv_engine(model: Qwen3) -> Engine:
+    return Engine(model, method=make_method("snapkv", {}, budget=0.5), budget=0.5, length_buckets=(16, 32))
+
+
+def test_batch_shape_is_what_generate_compiles(model: Qwen3):
+    engine = snapkv_engine(model)
+    sampling = SamplingConfig(max_new_tokens=6)
+    engine.generate(PROMPTS, sampling)
+    shape = engine.batch_shape([len(p) for p in PROMPTS], sampling.max_new_tokens)
+    assert (shape.rows, shape.padded_rows, shape.prompt_bucket, shape.new_token_bucket) == (3, 4, 16, 64)
+    assert shape.capacities == engine.capacities(16, 64) == (41, 41)  # ceil(0.5 * (16 + 64)) + 1 slot of slack
+    before = _compiles[0]
+    lowered = engine.lower(shape, sampling)
+    lowered.prefill.compile(), lowered.decode.compile()
+    assert _compiles[0] == before  # the executables generate built: the same arguments, shapes and statics
+    lowered.decode.compile().as_text()  # an HLO dump for inspection
+    other = engine.lower(engine.batch_shape([3], sampling.max_new_tokens), sampling)
+    other.decode.compile()
+    assert _compiles[0] == before + 1  # another batch: another executable
+
+
+def test_cache_bytes_are_the_prefilled_caches_bytes(model: Qwen3):
+    engine = snapkv_engine(model)
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        shape = engine.batch_shape([len(p) for p in prompts], 20)
+        tokens, lengths, roles = shape.pad(prompts)
+        assert tokens.shape == roles.shape == (shape.padded_rows, 16)
+        assert lengths.tolist() == [len(p) for p in prompts] + [1] * (shape.padded_rows - len(prompts))
+        _, caches, _ = engine.prefill(tokens, lengths, roles, shape.capacities)
+        assert engine.cache_bytes(shape) == sum(x.nbytes for x in jax.tree.leaves(caches)) > 0
+
+
+def test_decode_step_continues_a_prefill_as_generate_does(model: Qwen3):
+    engine = Engine(model, length_buckets=(16,))
+    expected = engine.generate(PROMPTS[:2], SamplingConfig(max_new_tokens=4))
+    shape = engine.batch_shape([len(p) for p in PROMPTS[:2]], 4)
+    tokens, lengths, roles = shape.pad(PROMPTS[:2])
+    logits, caches, _ = engine.prefill(tokens, lengths, roles, shape.capacities)
+    current, positions, out = np.asarray(jnp.argmax(logits, -1), np.int32), lengths.copy(), []
+    no_mask = np.full((shape.padded_rows, mask_words(model.config.vocab_size)), -1, np.int32)
+    for _ in range(4):
+        out.append(current[:2].tolist())
+        current, caches, _, overflow = engine.decode_step(
+            caches, current, positions, np.zeros_like(lengths), lengths, no_mask, jax.random.key(0)
+        )
+        current, positions = np.asarray(current), positions + 1
+        assert not bool(overflow)
+    assert [list(row) for row in zip(*out, strict=True)] == [g.tokens for g in expected]
+
+
+def test_on_step_reports_the_prefill_and_every_decode_step(model: Qwen3):
+    engine = Engine(model, length_buckets=(16, 32))
+    timings = []
+    gens = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=7), on_step=timings.append)
+    assert [t.step for t in timings] == list(range(7))  # the prefill, then 6 decode steps for 7 tokens
+    assert [t.seconds for t in timings[1:]] == gens[0].stats.token_times_s
+    assert timings[0].seconds == timings[0].call_seconds <= gens[0].stats.ttft_s
+    assert all(0 < t.call_seconds <= t.seconds for t in timings)
+    stop = gens[0].tokens[2]
+    stopping = Engine(model, stop_token_ids=[stop], length_buckets=(16, 32))
+    timings.clear()
+    [gen] = stopping.generate(PROMPTS[:1], SamplingConfig(max_new_tokens=7), on_step=timings.append)
+    assert len(gen.tokens) == len(timings) == gen.tokens.index(stop) + 1  # no decode step after the last row stops
+
+
+def test_bad_shapes_are_named(model: Qwen3):
+    engine = Engine(model, length_buckets=(16,), max_context=24)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.batch_shape([], 4)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.batch_shape([3, 0], 4)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        engine.batch_shape([3], 0)
+    with pytest.raises(ValueError, match="context limit 24"):
+        engine.batch_shape([10], 20)
+    with pytest.raises(ValueError, match="largest length bucket 16"):
+        engine.batch_shape([17], 4)
+    shape = engine.batch_shape([3, 5], 4)
+    with pytest.raises(ValueError, match="holds 2 prompts"):
+        shape.pad([[1, 2, 3]])
+    with pytest.raises(ValueError, match="prompt 1 has 17 tokens"):
+        shape.pad([[1], list(range(17))])
+    with pytest.raises(ValueError, match="1 step callbacks for 2 engines: give one per engine"):
+        generate_shared([engine, engine], [[1, 2]], constraints=[None, None], on_steps=[None])

@@ -9,7 +9,7 @@ from pask_jax import bfcl
 from pask_jax.evaluate import EvalConfig, format_table, run_bfcl
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.models.tokenizer import qwen_tokenizer
-from pask_jax.policy import PersistencePolicy
+from pask_jax.policy import ModelFingerprint, PersistencePolicy
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,11 @@ def test_dev_split_scores_dev_items_and_refuses_policies_fitted_elsewhere(tiny_q
     (item,) = result["runs"][0]["items"]
     assert item["id"] == bfcl.split_items("simple_python").dev[2]["id"] and bfcl.part_of(item["id"]) == "dev"
 
-    def policy(calibration_items):
+    fits = ModelFingerprint.of(tiny_qwen.config, qwen_tokenizer())
+
+    def policy(items):
         layers = tiny_qwen.config.num_layers
-        return PersistencePolicy(
-            model="tiny", num_layers=layers, groups=2, tables=(), calibration_items=calibration_items
-        )
+        return PersistencePolicy("tiny", layers, groups=2, tables=(), calibration_items=items, fits=fits)
 
     evaluation_item = bfcl.evaluation_sample("multiple", 0, 1)[0]["id"]
     with pytest.raises(ValueError, match="outside the calibration part"):

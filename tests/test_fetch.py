@@ -201,7 +201,7 @@ def test_pip_failure_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_unknown_name_lists_known_names(tmp_path: Path) -> None:
-    with pytest.raises(FetchError, match="qwen2.5-coder-0.5b, smollm2-135m"):
+    with pytest.raises(FetchError, match="qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, smollm2-135m"):
         fetch_model("gpt-5", tmp_path)
 
 

@@ -1,28 +1,45 @@
-"""The tool-call grammar: schemas, acceptance of BFCL golds, roles of generated tokens, the outlines-core defect,
-GrammarConstraint.
+"""The tool-call grammar: acceptance of BFCL golds, unchanged BFCL regexes, roles of generated tokens, the
+outlines-core defect, tool_choice "auto", response_format grammars, GrammarConstraint.
 
-Compiling an index over Qwen's full 151k-token vocabulary takes about a second per small tool list, so the BFCL
-acceptance tests walk each token sequence through an index built over a *restricted* vocabulary: the 256 single-byte
-tokens (which can spell any regex, so outlines-core accepts the vocabulary) plus the tokens of the texts under test.
-That is exact for the question asked: whether a given token sequence is accepted depends only on those tokens'
-bytes and the regex, not on which other tokens the vocabulary holds. The roles, the constraint and the parallel
-restart are tested on grammars compiled with the full vocabulary.
+Compiling an index over Qwen's full 151k-token vocabulary takes about a second per small tool list, so acceptance
+tests walk each token sequence through an index built over a *restricted* vocabulary (``small_grammar``): the 256
+single-byte tokens (which can spell any regex, so outlines-core accepts the vocabulary) plus the tokens of the texts
+under test. That is exact for the question asked: whether a given token sequence is accepted depends only on those
+tokens' bytes and the regex, not on which other tokens the vocabulary holds. The roles, the constraint and the
+parallel restart are tested on grammars compiled with the full vocabulary.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from outlines_core import Guide, Index, Vocabulary
 
 from pask_jax import bfcl
+from pask_jax.models.chat_template import bfcl_python_functions
 from pask_jax.models.tokenizer import qwen_tokenizer
-from pask_jax.structure import grammar as G
-from pask_jax.structure.grammar import GrammarConstraint, GrammarError, compile_grammar, tool_call_regex, tool_schema
+from pask_jax.structure import (
+    CompiledGrammar,
+    GrammarConstraint,
+    GrammarError,
+    TokenConstraint,
+    bfcl_function,
+    compile_grammar,
+    compile_json_grammar,
+    grammar_vocabulary,
+    tool_call_regex,
+)
+from pask_jax.structure import lexer as L
+from pask_jax.structure import vocabulary as V
+from pask_jax.structure.regex import FRAMINGS, json_regex
 from pask_jax.structure.roles import Role
+from pask_jax.structure.schema import JSON_OBJECT, enforced_schema
 
+DIGESTS = Path(__file__).parent / "data" / "bfcl_grammar_regex_digests.json"
 FACTORIAL = {
     "name": "math.factorial",
     "description": "Calculate the factorial of a number.",
@@ -56,26 +73,30 @@ SCHEMA_VIOLATING_GOLDS = {
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return qwen_tokenizer()
+def tok(qwen_tok):
+    return qwen_tok
 
 
 @pytest.fixture(scope="module")
 def gv(tok):
-    return G.grammar_vocabulary(tok)
+    return grammar_vocabulary(tok)
 
 
-def small_grammar(regex: str, gv: G.GrammarVocabulary, token_ids) -> G.CompiledGrammar:
+def small_grammar(regex: str, gv: V.GrammarVocabulary, token_ids, kind: str = "tool_calls") -> CompiledGrammar:
     """``regex`` over the single-byte tokens + ``token_ids`` (see the module docstring), without role tables."""
     tokens: dict[bytes, list[int]] = {}
     for i in {i for i, raw in enumerate(gv.token_bytes) if len(raw) == 1} | set(token_ids):
         tokens.setdefault(gv.token_bytes[i], []).append(i)
     index = Index(regex, Vocabulary(gv.vocabulary.get_eos_token_id(), tokens))
-    return G.CompiledGrammar(
-        index=index, regex=regex, function_names=(), framing="", parallel=True, vocab=gv, edge_roles={},
-        token_roles={}, state_roles={}, witnesses={}, final_states=frozenset(index.get_final_states()), compile_s=0.0,
-        roles_s=0.0,
+    return CompiledGrammar(
+        index=index, regex=regex, kind=kind, function_names=(), framing="tool_call", parallel=True, vocab=gv,
+        edge_roles={}, token_roles={}, state_roles={}, witnesses={}, final_states=frozenset(index.get_final_states()),
+        compile_s=0.0, roles_s=0.0,
     )  # fmt: skip
+
+
+def bfcl_regex(functions, framing="tool_call", parallel=True, gv=None, enums=True, **kwargs) -> str:
+    return tool_call_regex([bfcl_function(f, enums=enums) for f in functions], framing, parallel, vocab=gv, **kwargs)
 
 
 def schema_ordered(value, spec):
@@ -106,96 +127,49 @@ def canonical_text(item, answer, framing) -> str:
     return render(calls, framing)
 
 
-# ---- schemas ---------------------------------------------------------------------------------------------------------
-
-
-def test_tool_schema_maps_bfcl_types():
-    function = {
-        "name": "f",
-        "description": "ignored",
-        "parameters": {
-            "type": "dict",
-            "properties": {
-                "d": {"type": "dict", "properties": {"x": {"type": "float"}}, "required": ["x"]},
-                "free": {"type": "dict", "description": "no properties"},
-                "t": {"type": "tuple", "items": {"type": "float"}},
-                "a": {"type": "array", "items": {"type": "integer"}, "default": []},
-                "any": {"type": "any"},
-                "b": {"type": "boolean"},
-                "s": {"type": "string", "format": "date", "enum": ["x", "y"]},
-                "arr_enum": {"type": "array", "enum": ["p", "q"]},
-            },
-            "required": ["d", "s"],
-        },
-    }
-    args = tool_schema(function)["properties"]["arguments"]
-    assert tool_schema(function)["properties"]["name"] == {"const": "f"}
-    assert tool_schema(function)["required"] == ["name", "arguments"]
-    assert list(tool_schema(function)["properties"]) == ["name", "arguments"]
-    assert args["required"] == ["d", "s"] and args["additionalProperties"] is False
-    props = args["properties"]
-    assert props["d"] == {
-        "type": "object",
-        "properties": {"x": {"type": "number"}},
-        "required": ["x"],
-        "additionalProperties": False,
-    }
-    assert props["free"] == {"type": "object", "additionalProperties": G.FREE_DICT_VALUE}
-    assert props["t"] == {"type": "array", "items": {"type": "number"}}
-    assert props["a"] == {"type": "array", "items": {"type": "integer"}}
-    assert props["any"] == G.ANY_VALUE
-    assert props["b"] == {"type": "boolean"}
-    assert props["s"] == {"enum": ["x", "y"]}
-    assert props["arr_enum"] == {"type": "array", "items": {"enum": ["p", "q"]}}
-    loose = tool_schema(function, enums=False)["properties"]["arguments"]["properties"]
-    assert loose["s"] == {"type": "string"} and loose["arr_enum"] == {"type": "array", "items": G.FREE_ITEM}
-
-
-@pytest.mark.parametrize(
-    ("function", "message"),
-    [
-        ({"name": "f", "parameters": {"type": "dict", "properties": {"x": {"type": "str"}}}}, r"'f'.*'x'.*'str'.*use"),
-        (
-            {
-                "name": "f",
-                "parameters": {"type": "dict", "properties": {"o": {"type": "dict", "properties": {"y": 3}}}},
-            },
-            r"'f'.*'o\.y'.*must be a dict",
-        ),
-        ({"name": "f", "parameters": {"type": "dict", "properties": {"e": {"enum": []}}}}, r"'e'.*enum is empty"),
-        ({"name": "f", "parameters": {"type": "dict", "properties": {}, "required": ["z"]}}, r"'f'.*\['z'\]"),
-        ({"description": "no name"}, "string 'name'"),
-    ],
-)
-def test_tool_schema_errors_name_the_function_and_the_fix(function, message):
-    with pytest.raises(GrammarError, match=message):
-        tool_schema(function)
-
-
 # ---- vocabulary --------------------------------------------------------------------------------------------------
 
 
 def test_vocabulary_special_tokens_are_marker_bytes(tok, gv):
     special = tok.special_tokens
-    assert gv.token_bytes[special["<tool_call>"]] == G.CALL_OPEN
-    assert gv.token_bytes[special["</tool_call>"]] == G.CALL_CLOSE
-    assert gv.token_bytes[special["<|im_end|>"]] == G.END_OF_TURN
+    assert gv.token_bytes[special["<tool_call>"]] == V.CALL_OPEN
+    assert gv.token_bytes[special["</tool_call>"]] == V.CALL_CLOSE
+    assert gv.token_bytes[special["<|im_end|>"]] == V.END_OF_TURN
     assert gv.end_of_turn_id == special["<|im_end|>"]
+    assert gv.call_open_id == special["<tool_call>"] and gv.atomic_calls
     for name in ("<|im_start|>", "<|endoftext|>", "<think>", "<tool_response>"):
         assert gv.token_bytes[special[name]] == b"", name
     # outlines-core's own EOS is a spare id the grammar never allows before the end of turn
     assert gv.vocabulary.get_eos_token_id() == special["<|endoftext|>"]
     assert set(gv.stop_ids) == {special["<|im_end|>"], special["<|endoftext|>"]}
     # no ordinary token keeps a marker byte; ordinary tokens keep their raw bytes
-    markers = set(G.CALL_OPEN + G.CALL_CLOSE + G.END_OF_TURN)
     special_ids = set(special.values())
-    assert not any(markers & set(raw) for i, raw in enumerate(gv.token_bytes) if i not in special_ids)
+    assert not any(V.MARKER_BYTES & set(raw) for i, raw in enumerate(gv.token_bytes) if i not in special_ids)
     hello = tok.encode("hello")[0]
     assert gv.token_bytes[hello] == tok.token_bytes(hello)
-    assert G.grammar_vocabulary(tok) is gv  # cached per tokenizer
+    assert grammar_vocabulary(tok) is gv  # cached per tokenizer
 
 
-# ---- BFCL golds ------------------------------------------------------------------------------------------------------
+# ---- BFCL ------------------------------------------------------------------------------------------------------------
+
+
+def test_bfcl_grammar_regexes_are_unchanged(gv):
+    """Every BFCL item's regex (tool_call and json_fence, enums on and off) is the one committed results were
+    produced with: its digest is in tests/data. A changed digest changes every number measured on that item."""
+    recorded = json.loads(DIGESTS.read_text())
+    settings = [(s["framing"], s["enums"]) for s in recorded["settings"]]
+    changed = []
+    for category in bfcl.CATEGORIES:
+        for item in bfcl.load_category(category):
+            functions = bfcl_python_functions(item["function"])
+            digests = [
+                hashlib.sha256(bfcl_regex(functions, framing, gv=gv, enums=enums).encode()).hexdigest()[:16]
+                for framing, enums in settings
+            ]
+            if digests != recorded["digests"].pop(item["id"]):
+                changed.append(item["id"])
+    assert not changed, f"{len(changed)} BFCL grammars changed, e.g. {changed[:5]}"
+    assert not recorded["digests"], "items recorded but no longer in BFCL"
 
 
 @pytest.mark.parametrize("category", bfcl.CATEGORIES)
@@ -205,32 +179,19 @@ def test_grammar_accepts_bfcl_ground_truth(tok, gv, category):
     answers = bfcl.load_answers(category)
     parallel = "parallel" in category
     for item in bfcl.load_category(category)[:20]:
-        for framing in G.FRAMINGS:
+        for framing in FRAMINGS:
             text = canonical_text(item, answers[item["id"]], framing)
             ids = tok.encode(text)
-            grammar = small_grammar(tool_call_regex(item["function"], framing, parallel, vocab=gv), gv, ids)
+            grammar = small_grammar(bfcl_regex(item["function"], framing, parallel, gv), gv, ids)
             if item["id"] in SCHEMA_VIOLATING_GOLDS:
                 assert not grammar.accepts(ids), item["id"]
-                loose = tool_call_regex(item["function"], framing, parallel, vocab=gv, enums=False)
+                loose = bfcl_regex(item["function"], framing, parallel, gv, enums=False)
                 assert small_grammar(loose, gv, ids).accepts(ids), item["id"]
                 continue
             assert grammar.accepts(ids), (item["id"], framing, text)
             if framing == "tool_call" or len(bfcl.canonical_calls(answers[item["id"]])) == 1:
                 calls = bfcl.parse_tool_calls(tok.decode(ids))  # the harness decodes what the grammar allows
                 assert [next(iter(c)) for c in calls] == [n for n, _ in bfcl.canonical_calls(answers[item["id"]])]
-
-
-def test_json_lines_fence_decodes_with_the_bfcl_parser(tok):
-    calls = [("spotify.play", {"artist": "Taylor Swift", "duration": 20}), ("spotify.play", {"artist": "Maroon 5"})]
-    text = render(calls, "json_fence")
-    try:
-        calls = bfcl.parse_tool_calls(text)
-    except bfcl.ParseError as exc:
-        pytest.xfail(f"bfcl.parse_tool_calls reads a fence as one JSON value, not JSON lines: {exc}")
-    assert calls == [
-        {"spotify.play": {"artist": "Taylor Swift", "duration": 20}},
-        {"spotify.play": {"artist": "Maroon 5"}},
-    ]
 
 
 def test_grammar_rejects_malformed_calls(tok, gv):
@@ -259,7 +220,7 @@ def test_grammar_rejects_malformed_calls(tok, gv):
     )
     texts["fence in tool_call framing"] = f"```json\n{good}\n```<|im_end|>"
     encoded = {why: tok.encode(text) for why, text in texts.items()}
-    regex = tool_call_regex(item["function"], "tool_call", parallel=False, vocab=gv)
+    regex = bfcl_regex(item["function"], "tool_call", parallel=False, gv=gv)
     grammar = small_grammar(regex, gv, {i for ids in encoded.values() for i in ids})
     assert grammar.accepts(encoded.pop("good"))
     for why, ids in encoded.items():
@@ -267,7 +228,7 @@ def test_grammar_rejects_malformed_calls(tok, gv):
 
 
 def test_strings_take_json_escapes_but_not_special_tokens(tok, gv):
-    weather = {"name": "w", "parameters": {"type": "dict", "properties": {"city": {"type": "string"}}}}
+    weather = {"name": "w", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
     texts = [render([("w", {"city": 'Zürich "old" \\ \n 北京'})], "tool_call", ensure_ascii=True)]  # \uXXXX
     texts.append(render([("w", {"city": "Zürich 北京"})], "tool_call", ensure_ascii=False))  # raw UTF-8
     ids = [tok.encode(text) for text in texts]
@@ -289,12 +250,12 @@ def test_strings_take_json_escapes_but_not_special_tokens(tok, gv):
 
 @pytest.fixture(scope="module")
 def factorial(tok):
-    return compile_grammar([FACTORIAL], tok, "tool_call", parallel=True)
+    return compile_grammar([bfcl_function(FACTORIAL)], tok)
 
 
 @pytest.fixture(scope="module")
 def hotel(tok):
-    return compile_grammar([HOTEL, FACTORIAL], tok, "tool_call", parallel=False)
+    return compile_grammar([bfcl_function(HOTEL), bfcl_function(FACTORIAL)], tok, parallel=False)
 
 
 def token_roles(tok, grammar, text):
@@ -370,7 +331,7 @@ def test_generated_roles_golden_value_kinds(tok, hotel):
 
 
 def test_generated_roles_json_fence_pretty_printed(tok):
-    grammar = compile_grammar([FACTORIAL], tok, "json_fence", parallel=True)
+    grammar = compile_grammar([bfcl_function(FACTORIAL)], tok, framing="json_fence")
     call = {"name": "math.factorial", "arguments": {"number": 5}}
     text = f"```json\n{json.dumps(call, indent=2)}\n{json.dumps(call)}\n```<|im_end|>"
     roles = token_roles(tok, grammar, text)
@@ -382,7 +343,7 @@ def test_generated_roles_json_fence_pretty_printed(tok):
 
 def test_lexer_roles_of_bytes():
     text = '\x02\n{"name": "f", "arguments": {"a": [1, "x"], "b": true}}\n\x03\x04'
-    names = [Role(r).name for r in G.lex_roles(text.encode())]
+    names = [Role(r).name for r in L.lex_roles(text.encode())]
     S, W = "STRUCTURAL", "WHITESPACE"
     spans = [
         ("\x02\n", "FRAMING"), ('{"name":', S), (" ", W), ('"f"', "FUNCTION_NAME"), (",", S), (" ", W),
@@ -395,13 +356,32 @@ def test_lexer_roles_of_bytes():
     assert names == expected, list(zip(text, names, expected, strict=True))
 
 
+def test_lexer_roles_of_a_text_answer_and_a_json_value():
+    answer = "Hi {x}\x04"
+    assert [Role(r).name for r in L.lex_roles(answer.encode(), L.LEX_AUTO)] == ["FREE_TEXT"] * 6 + ["END_OF_TURN"]
+    call = b'\x02\n{"name": "f", "arguments": {}}\n\x03\x04'  # "auto" and a call: as without "auto"
+    assert L.lex_roles(call, L.LEX_AUTO) == L.lex_roles(call, L.LEX_CALLS)
+    value = '{"k": ["v", 1, null]}\x04'
+    names = [Role(r).name for r in L.lex_roles(value.encode(), L.LEX_JSON)]
+    S = "STRUCTURAL"
+    spans = [
+        ("{", S), ('"k"', "ARG_KEY"), (":", S), (" ", "WHITESPACE"), ("[", S), ('"v"', "ARG_STRING"), (",", S),
+        (" ", "WHITESPACE"), ("1", "ARG_NUMBER"), (",", S), (" ", "WHITESPACE"), ("null", "ARG_LITERAL"), ("]}", S),
+        ("\x04", "END_OF_TURN"),
+    ]  # fmt: skip
+    assert names == [role for span, role in spans for _ in span]
+    assert [Role(r).name for r in L.lex_roles(b'"s"\x04', L.LEX_JSON)] == ["ARG_STRING"] * 3 + ["END_OF_TURN"]
+    state, _ = L.lex_step(L.LEX_JSON, ord("{"))
+    assert state.stack[-1] == L.Frame("obj", "key", None)  # states are named, comparable values
+
+
 # ---- parallel calls and the outlines-core 0.2.14 defect -----------------------------------------------------------
 
 
 @pytest.mark.xfail(
     strict=True,
     reason="outlines-core 0.2.14 drops transitions out of a final state (fixed upstream, unreleased). If this XPASSes, "
-    "a fixed release is installed: the end-of-turn-in-regex workaround in structure/grammar.py can be revisited.",
+    "a fixed release is installed: the end-of-turn-in-regex workaround in structure/regex.py can be revisited.",
 )
 def test_outlines_core_defect_raw_library():
     vocab = Vocabulary(9, {"x": [0], ",": [1], ",x": [2]})
@@ -414,7 +394,7 @@ def test_outlines_core_defect_raw_library():
 def test_outlines_core_defect_on_repeated_calls(tok, gv):
     text = render([("math.factorial", {"number": 5}), ("math.factorial", {"number": 6})], "tool_call")
     ids = tok.encode(text.removesuffix("<|im_end|>"))
-    workaround = tool_call_regex([FACTORIAL], vocab=gv, host_repeat=False)
+    workaround = bfcl_regex([FACTORIAL], gv=gv, host_repeat=False)
     no_workaround = workaround.removesuffix(gv.end_of_turn)  # call (\n call)*, final after each call
     grammar = small_grammar(no_workaround, gv, ids)
     state = grammar.initial_state
@@ -427,7 +407,7 @@ def test_parallel_calls_with_the_workaround(tok, gv, factorial):
     calls = [("math.factorial", {"number": n}) for n in (5, 16, 7)]
     texts = {k: tok.encode(render(calls[:k], "tool_call")) for k in (1, 2, 3)}
     # (1) whole-language regex, end of turn inside it: no state is final before the end
-    whole = small_grammar(tool_call_regex([FACTORIAL], vocab=gv, host_repeat=False), gv, texts[3])
+    whole = small_grammar(bfcl_regex([FACTORIAL], gv=gv, host_repeat=False), gv, texts[3])
     assert all(whole.accepts(ids) for ids in texts.values())
     # (2) what compile_grammar builds: one call + (separator | end), the host restarts after the separator
     assert factorial.regex.endswith(r"\n\x03(?:\n|\x04)")
@@ -437,9 +417,83 @@ def test_parallel_calls_with_the_workaround(tok, gv, factorial):
         assert roles.count(Role.END_OF_TURN) == 1 and roles.count(Role.FUNCTION_NAME) == 4 * k
         assert roles.count(Role.ARG_NUMBER) == {1: 1, 2: 3, 3: 4}[k]  # digits are single tokens: 5 | 1 6 | 7
     assert not factorial.accepts(tok.encode("<|im_end|>"))  # zero calls
-    assert not factorial.accepts(texts[2][:-1] + tok.encode("\n<|im_end|>"))  # a separator must start a call
-    single = compile_grammar([FACTORIAL], tok, "tool_call", parallel=False)
+    after_separator = texts[2][:-1] + tok.encode("\n")
+    assert factorial.accepts(after_separator + tok.encode("<|im_end|>"))  # the model's "\n" before the end
+    assert factorial.walk(after_separator + tok.encode("hello")) is None  # a separator must start a call
+    assert factorial.walk(after_separator + tok.encode("\n<|im_end|>")) is None
+    single = compile_grammar([bfcl_function(FACTORIAL)], tok, parallel=False)
     assert single.accepts(texts[1]) and not single.accepts(texts[2])
+    assert not single.accepts(texts[1][:-1] + tok.encode("\n<|im_end|>"))
+
+
+# ---- tool_choice "auto" and response_format ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def auto(tok):
+    return compile_grammar([bfcl_function(FACTORIAL)], tok, tool_choice="auto")
+
+
+def test_auto_accepts_a_text_answer_or_calls(tok, auto):
+    assert auto.kind == "auto" and auto.function_names == ("math.factorial",)
+    answer = tok.encode("I need a number first: which one? {not a call}<|im_end|>")
+    roles, complete = auto.walk(answer)
+    assert complete and roles == [Role.FREE_TEXT] * (len(answer) - 1) + [Role.END_OF_TURN]
+    assert auto.accepts(tok.encode("<|im_end|>"))  # an empty answer
+    calls = tok.encode(render([("math.factorial", {"number": 5}), ("math.factorial", {"number": 6})], "tool_call"))
+    roles, complete = auto.walk(calls)
+    assert complete and roles.count(Role.FUNCTION_NAME) == 8 and Role.FREE_TEXT not in roles
+    one_call = tok.encode(render([("math.factorial", {"number": 5})], "tool_call"))[:-1]
+    assert auto.walk(one_call + tok.encode("\nDone.<|im_end|>")) is None  # text after a call
+    assert auto.walk(tok.encode("Sure.") + one_call) is None  # text before a call
+    assert auto.walk(tok.encode('{"name": "math.factorial", "arguments": {"number": 5}}<|im_end|>'))[0][0] == (
+        Role.FREE_TEXT  # a call written without <tool_call> is text
+    )
+
+
+def test_auto_constraint_masks_no_text_between_calls(tok, auto):
+    call_open = tok.special_tokens["<tool_call>"]
+    constraint = GrammarConstraint([auto], tok.vocab_size)
+    allowed = unpack(constraint.mask(), tok.vocab_size)[0]
+    assert allowed[call_open] and allowed[tok.encode("Hello")[0]] and allowed[auto.vocab.end_of_turn_id]
+    for token in tok.encode(render([("math.factorial", {"number": 5})], "tool_call"))[:-1] + tok.encode("\n"):
+        constraint.advance(np.asarray([token]))
+    allowed = unpack(constraint.mask(), tok.vocab_size)[0]
+    assert set(np.flatnonzero(allowed)) == {call_open, auto.vocab.end_of_turn_id}
+
+
+def test_tool_choice_errors(tok):
+    with pytest.raises(GrammarError, match="tool_choice 'none' has no grammar.*decode unconstrained"):
+        compile_grammar([bfcl_function(FACTORIAL)], tok, tool_choice="none")
+    with pytest.raises(GrammarError, match="'auto' needs framing 'tool_call'"):
+        compile_grammar([bfcl_function(FACTORIAL)], tok, tool_choice="auto", framing="json_fence")
+
+
+def test_json_grammar_roles_and_refusals(tok):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": ["integer", "null"]}}}
+    grammar = compile_json_grammar(schema, tok)
+    assert grammar.kind == "json" and grammar.function_names == () and grammar.framing is None
+    assert token_roles(tok, grammar, '{"city": "Oslo", "days": null}<|im_end|>') == [
+        ('{"', "ARG_KEY"), ("city", "ARG_KEY"), ('":', "STRUCTURAL"), (' "', "ARG_STRING"), ("Os", "ARG_STRING"),
+        ("lo", "ARG_STRING"), ('",', "STRUCTURAL"), (' "', "ARG_KEY"), ("days", "ARG_KEY"), ('":', "STRUCTURAL"),
+        (" null", "ARG_LITERAL"), ("}", "STRUCTURAL"), ("<|im_end|>", "END_OF_TURN"),
+    ]  # fmt: skip
+    for text in ('{"days": 3, "city": "Oslo"}', '{"city": 3}', '```json\n{"city": "Oslo"}\n```', '{"city": "Oslo"}'):
+        end = "" if text == '{"city": "Oslo"}' else "<|im_end|>"  # the last one lacks the end of turn
+        assert not grammar.accepts(tok.encode(text + end)), text
+    assert compile_json_grammar(dict(schema, description="reworded"), tok) is grammar
+
+
+def test_json_object_grammar_is_any_shallow_object(tok, gv):
+    texts = ['{"a": 1, "b": [true, "x"], "c": null}', "{}", '{"k": "v"}']
+    bad = ['["not an object"]', '"text"', '{"deep": {"x": 1}}', '{"a": 1} trailing']
+    encoded = {t: tok.encode(t + "<|im_end|>") for t in texts + bad}
+    regex = json_regex(enforced_schema(JSON_OBJECT, "response_format"), vocab=gv)
+    grammar = small_grammar(regex, gv, {i for ids in encoded.values() for i in ids}, kind="json")
+    for text in texts:
+        assert grammar.accepts(encoded[text]), text
+    for text in bad:
+        assert not grammar.accepts(encoded[text]), text
 
 
 # ---- the constraint ------------------------------------------------------------------------------------------------
@@ -499,6 +553,13 @@ def test_grammar_constraint_two_grammars(tok, factorial, hotel):
     assert timing["steps"] == steps and timing["mask_s"] > 0 and timing["advance_s"] > 0
 
 
+def test_grammar_constraint_is_a_token_constraint(factorial):
+    from pask_jax import engine
+
+    assert isinstance(GrammarConstraint([factorial], factorial.vocab.size), TokenConstraint)
+    assert engine.TokenConstraint is TokenConstraint  # the engine's protocol is this one
+
+
 def test_grammar_constraint_refuses_an_unmasked_token(tok, factorial):
     constraint = GrammarConstraint([factorial], tok.vocab_size)
     with pytest.raises(ValueError, match=r"row 0: token .* not allowed .* mask"):
@@ -511,10 +572,10 @@ def test_grammar_constraint_refuses_an_unmasked_token(tok, factorial):
 
 
 def test_compiled_grammars_are_cached(tok, factorial):
-    assert compile_grammar([FACTORIAL], tok, "tool_call", parallel=True) is factorial
+    assert compile_grammar([bfcl_function(FACTORIAL)], tok) is factorial
     reworded = {**FACTORIAL, "description": "Another description: not part of the grammar."}
-    assert compile_grammar([reworded], qwen_tokenizer(), "tool_call", parallel=True) is factorial  # same vocabulary
-    noop = {"name": "noop", "parameters": {"type": "dict", "properties": {}}}
+    assert compile_grammar([bfcl_function(reworded)], qwen_tokenizer()) is factorial  # same vocabulary
+    noop = {"name": "noop", "parameters": {"type": "object", "properties": {}}}
     grammar = compile_grammar([noop], tok)
     assert grammar.accepts(tok.encode('<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call><|im_end|>'))
     assert grammar is not factorial and compile_grammar([noop], tok, parallel=False) is not grammar
@@ -523,16 +584,18 @@ def test_compiled_grammars_are_cached(tok, factorial):
 def test_bad_schema_errors(tok):
     lookbehind = {
         "name": "scan",
-        "parameters": {"type": "dict", "properties": {"code": {"type": "string", "pattern": "(?<=a)b"}}},
+        "parameters": {"type": "object", "properties": {"code": {"type": "string", "pattern": "(?<=a)b"}}},
     }
     with pytest.raises(GrammarError, match=r"function 'scan': outlines-core cannot compile .*look-around"):
-        compile_grammar([FACTORIAL, lookbehind], tok)
+        compile_grammar([bfcl_function(FACTORIAL), lookbehind], tok)
     with pytest.raises(GrammarError, match="unknown framing 'xml'"):
-        compile_grammar([FACTORIAL], tok, framing="xml")
+        compile_grammar([bfcl_function(FACTORIAL)], tok, framing="xml")
     with pytest.raises(GrammarError, match="tool list is empty"):
         compile_grammar([], tok)
-    with pytest.raises(GrammarError, match=r"function 'f', parameter 'x': unsupported type 'str'"):
-        compile_grammar([{"name": "f", "parameters": {"type": "dict", "properties": {"x": {"type": "str"}}}}], tok)
+    with pytest.raises(GrammarError, match=r"function 'math.factorial'.*unknown type 'dict'.*bfcl_function"):
+        compile_grammar([FACTORIAL], tok)  # a BFCL dict not translated
+    with pytest.raises(GrammarError, match="string 'name'.*parse_tools"):
+        compile_grammar([{"type": "function", "function": FACTORIAL}], tok)  # an OpenAI tool not parsed
 
 
 def test_turn_may_end_after_a_separator(tok, factorial):
@@ -550,3 +613,4 @@ def test_turn_may_end_after_a_separator(tok, factorial):
             assert allowed[end] and allowed[call_open] and allowed.sum() == 2
         roles = constraint.advance(np.asarray([token]))
     assert constraint.finished[0] and roles[0] == Role.END_OF_TURN
+    assert factorial.walk(ids)[0][-1] == Role.END_OF_TURN  # walk follows the same rule

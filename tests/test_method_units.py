@@ -33,7 +33,7 @@ def random_qk(b=2, t=12, n=4, kv=2, h=8, seed=0):
 # ---- SnapKV ----
 
 
-def snapkv_numpy(q, k, lengths, window, kernel):
+def snapkv_numpy(q, k, lengths, window, kernel, pooling="max"):
     """Scores of the prefix entries (pooled window attention), per (sequence, KV head): dict -> f32[P - w]."""
     b, t, n, h = q.shape
     kv = k.shape[2]
@@ -48,20 +48,23 @@ def snapkv_numpy(q, k, lengths, window, kernel):
                 for qh in range(head * g, (head + 1) * g):
                     logits = k[s, : i + 1, head] @ q[s, i, qh] / np.sqrt(h)
                     summed += softmax(logits)[:start]
-            pooled = np.array(
-                [summed[max(j - kernel // 2, 0) : j + kernel // 2 + 1].max() for j in range(start)], np.float32
-            )
+            windows = [summed[max(j - kernel // 2, 0) : j + kernel // 2 + 1] for j in range(start)]
+            if pooling == "max":
+                pooled = np.array([w.max() for w in windows], np.float32)
+            else:  # zero padding, divided by the whole kernel (avg_pool1d's count_include_pad)
+                pooled = np.array([w.sum() / kernel for w in windows], np.float32)
             out[s, head] = pooled
     return out
 
 
-def test_snapkv_scores_and_pooling_match_numpy():
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_snapkv_scores_and_pooling_match_numpy(pooling: str):
     q, k = random_qk()
     lengths = np.array([12, 9], np.int32)
     window, kernel = 4, 3
-    got = np.asarray(window_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(lengths), window, kernel))
+    got = np.asarray(window_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(lengths), window, kernel, pooling))
     assert got.shape == (2, 2, 12)
-    for (s, head), want in snapkv_numpy(q, k, lengths, window, kernel).items():
+    for (s, head), want in snapkv_numpy(q, k, lengths, window, kernel, pooling).items():
         p = lengths[s]
         np.testing.assert_allclose(got[s, head, : p - window], want, rtol=1e-5, atol=1e-6)
         win = got[s, head, p - window : p]
@@ -69,7 +72,7 @@ def test_snapkv_scores_and_pooling_match_numpy():
         assert (got[s, head, p:] == 0).all(), "padding"
     # Through the method hook, with the same per-sequence window
     ctx = SimpleNamespace(lengths=jnp.asarray(lengths))
-    hook = SnapKV(window=window, kernel=kernel).prefill_observe(0, jnp.asarray(q), jnp.asarray(k), ctx)
+    hook = SnapKV(window=window, kernel=kernel, pooling=pooling).prefill_observe(0, jnp.asarray(q), jnp.asarray(k), ctx)
     np.testing.assert_array_equal(np.asarray(hook), got)
 
 

@@ -1,18 +1,28 @@
-"""The shared matrix: every KV-compression method through the same invariants on a tiny random model."""
+"""The shared matrix (kvpress style): one list of method instances through the same invariants on a tiny model.
+
+A case is a method instance built for the budget it runs at (PASK's policy tables are per budget), so variants of one
+method (a small SnapKV window, DapQ's content choices, PASK with a synthetic policy or DapQ ranking) are cases too.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
+from conftest import synthetic_stats
 from flax import nnx
 
+from pask_jax.calibration.compiler import compile_policy
 from pask_jax.engine import Engine, SamplingConfig, generate_shared
-from pask_jax.methods import METHODS
+from pask_jax.methods import METHODS, DapQ, KVMethod, PaskKV, PyramidKV, SnapKV
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.structure.roles import Role
 
 PROMPTS = [list(range(3, 40)), [7, 7, 120, 5, 9, 11, 13, 2, 2, 8, 100, 101], list(range(50, 75))]
 NEW = 20
 BUCKETS = (16, 64)
+ROLES = [[Role.SINK] + [Role.DESCRIPTION if i % 3 else Role.USER_TEXT for i in range(1, len(p))] for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +36,28 @@ def full_tokens(model: Qwen3) -> list[list[int]]:
     return [g.tokens for g in gens]
 
 
-def make(model: Qwen3, name: str, budget: float) -> Engine:
-    return Engine(model, method=METHODS[name](), budget=budget, num_groups=2, length_buckets=BUCKETS)
+BUDGETS = (0.3, 0.4, 0.5, 1.0)  # every budget a test below runs at
+SYNTHETIC_POLICY = compile_policy(synthetic_stats(num_layers=4, groups=2), list(BUDGETS))
+
+CASES: dict[str, Callable[[float], KVMethod]] = {
+    **{name: (lambda budget, cls=cls: cls()) for name, cls in METHODS.items()},
+    "snapkv_window8_avg": lambda budget: SnapKV(window=8, pooling="avg"),
+    "pyramidkv_window4": lambda budget: PyramidKV(window=4),
+    "dapq_last": lambda budget: DapQ(content="last", num_pseudo=8),
+    "dapq_random": lambda budget: DapQ(content="random", num_pseudo=8),
+    "pask_policy": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget),
+    "pask_policy_dapq_rank": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget, rank="dapq"),
+}
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
+def make(model: Qwen3, case: str, budget: float) -> Engine:
+    return Engine(model, method=CASES[case](budget), budget=budget, num_groups=2, length_buckets=BUCKETS)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_running_cap_holds_at_every_step(model: Qwen3, name: str):
     budget = 1.0 if name == "full" else 0.3
-    gens = make(model, name, budget).generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))
+    gens = make(model, name, budget).generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
     for prompt, gen in zip(PROMPTS, gens, strict=True):
         assert len(gen.stats.kept_ratios) == gen.stats.generated_tokens  # prefill + every step but the last token
         for t, ratio in enumerate(gen.stats.kept_ratios):
@@ -44,23 +68,26 @@ def test_running_cap_holds_at_every_step(model: Qwen3, name: str):
             assert gen.stats.kept_ratio_mean < budget + 0.05
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_budget_one_reproduces_full_kv(model: Qwen3, full_tokens: list[list[int]], name: str):
-    gens = make(model, name, 1.0).generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))
+    gens = make(model, name, 1.0).generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
     assert [g.tokens for g in gens] == full_tokens
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_deterministic_and_batch_equals_single(model: Qwen3, name: str):
     engine = make(model, name, 0.4)
-    first = [g.tokens for g in engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))]
-    again = [g.tokens for g in engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))]
+    first = [g.tokens for g in engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)]
+    again = [g.tokens for g in engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)]
     assert first == again
-    single = [engine.generate([p], SamplingConfig(max_new_tokens=NEW))[0].tokens for p in PROMPTS[:2]]
+    single = [
+        engine.generate([p], SamplingConfig(max_new_tokens=NEW), prompt_roles=[r])[0].tokens
+        for p, r in zip(PROMPTS[:2], ROLES, strict=False)
+    ]
     assert single == first[:2]
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_prefill_keeps_unique_valid_entries(model: Qwen3, name: str):
     engine = make(model, name, 0.5)
     lengths = np.array([len(p) for p in PROMPTS[:2]] + [1, 1], np.int32)
@@ -80,10 +107,10 @@ def test_prefill_keeps_unique_valid_entries(model: Qwen3, name: str):
 
 def test_shared_prefill_equals_separate_engines(model: Qwen3):
     """A sweep's shared prefill (one forward, every method's own fill) gives each engine its own tokens and caps."""
-    engines = [make(model, name, 0.4) for name in sorted(METHODS)]
-    shared = generate_shared(engines, PROMPTS, SamplingConfig(max_new_tokens=NEW))
+    engines = [make(model, name, 0.4) for name in sorted(CASES)]
+    shared = generate_shared(engines, PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
     for engine, gens in zip(engines, shared, strict=True):
-        alone = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))
+        alone = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
         assert [g.tokens for g in gens] == [g.tokens for g in alone], engine.method.name
         assert [g.stats.kept_ratios for g in gens] == [g.stats.kept_ratios for g in alone], engine.method.name
 
@@ -95,3 +122,10 @@ def test_shared_prefill_refuses_engines_of_different_models(model: Qwen3):
         generate_shared(engines, PROMPTS, SamplingConfig(max_new_tokens=4))
     with pytest.raises(ValueError, match="one per engine"):
         generate_shared(engines[:1], PROMPTS, constraints=[None, None])
+
+
+def test_pask_without_any_roles_is_an_error(model: Qwen3):
+    engine = make(model, "pask_policy", 0.4)
+    with pytest.raises(ValueError, match="decides by token roles"):
+        engine.generate(PROMPTS, SamplingConfig(max_new_tokens=4))
+    make(model, "snapkv", 0.4).generate(PROMPTS[:1], SamplingConfig(max_new_tokens=2))  # others need none

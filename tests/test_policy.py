@@ -3,52 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import synthetic_stats
 from flax import nnx
 
 from pask_jax.calibration.compiler import compile_policy, compile_table, pooled_stats
 from pask_jax.engine import Engine
 from pask_jax.methods.pask import PaskKV
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
-from pask_jax.policy import SHIPPED_POLICIES, PersistencePolicy, PolicyError
-from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
+from pask_jax.policy import SHIPPED_POLICIES, ModelFingerprint, PersistencePolicy, PolicyError, find_shipped_policy
+from pask_jax.structure.roles import Role, num_roles
 
 REPO = Path(__file__).parents[1]
 R, G = num_roles(), 2
-LEVELS = (0.0, 0.25, 0.5, 0.75)
-
-
-def synthetic_stats(num_layers: int = 4) -> types.SimpleNamespace:
-    """USER_TEXT is fragile (any removal below 75% breaks the call), DESCRIPTION is harmless and cheap to drop."""
-    entries = np.zeros((R, G))
-    entries[[Role.TEMPLATE, Role.TOOL_NAME, Role.DESCRIPTION, Role.USER_TEXT, Role.SCHEMA_PUNCT]] = [
-        [20, 20],
-        [5, 5],
-        [60, 60],
-        [15, 15],
-        [40, 40],
-    ]
-    task_error = np.zeros((R, G, len(LEVELS)))
-    task_error[Role.USER_TEXT] = [[0.5, 0.4, 0.2, 0.0]] * G
-    task_error[Role.TOOL_NAME] = [[0.3, 0.0, 0.0, 0.0]] * G
-    distortion = np.full((R, G), 0.01)
-    distortion[Role.TOOL_NAME] = 0.5
-    distortion[Role.DESCRIPTION] = 0.001
-    return types.SimpleNamespace(
-        entries=entries,
-        task_error=task_error,
-        distortion_per_entry=distortion,
-        levels=LEVELS,
-        model="tiny-qwen3",
-        num_layers=num_layers,
-        groups=G,
-        taxonomy=TAXONOMY_VERSION,
-        item_ids=["simple_python_3", "multiple_7"],
-    )
 
 
 @pytest.mark.parametrize("budget", [0.2, 0.33, 0.5, 1.0])
@@ -133,16 +103,26 @@ def test_ablation_switches():
         compile_policy(stats, [0.33], ablation="no_roles")
 
 
+FITS = ModelFingerprint("qwen3", 4, 4, 2, 16, 64, vocab_hash="0123456789abcdef")
+
+
 def test_save_load_and_mismatches(tmp_path: Path):
-    policy = compile_policy(synthetic_stats(), [0.2, 0.33])
+    policy = compile_policy(synthetic_stats(), [0.2, 0.33], fits=FITS)
     policy.save(tmp_path / "p")
     loaded = PersistencePolicy.load(tmp_path / "p")
     assert loaded.model == "tiny-qwen3" and [t.budget for t in loaded.tables] == [0.2, 0.33]
     np.testing.assert_array_equal(loaded.table(0.33).floor, policy.table(0.33).floor)
     assert (tmp_path / "p" / "policy.json").read_text().count("RETAIN") > 0
-    loaded.check_compatible("tiny-qwen3", 4)
-    with pytest.raises(PolicyError, match="calibrated for 'tiny-qwen3'"):
-        loaded.check_compatible("qwen2.5-coder-0.5b", 24)
+    assert loaded.fits == FITS and loaded.content_hash() == policy.content_hash()
+    loaded.check_fits(FITS)
+    other = dataclasses.replace(FITS, vocab_hash="fedcba9876543210")
+    with pytest.raises(PolicyError, match="vocabulary 0123456789abcdef.*vocabulary fedcba9876543210"):
+        loaded.check_fits(other)
+    with pytest.raises(PolicyError, match="no model fingerprint"):
+        compile_policy(synthetic_stats(), [0.2]).check_fits(FITS)
+    with pytest.raises(PolicyError, match="no shipped PASK policy fits"):
+        find_shipped_policy(other, tmp_path)
+    assert find_shipped_policy(FITS, tmp_path).content_hash() == policy.content_hash()
     with pytest.raises(PolicyError, match="no policy table for budget 0.5"):
         loaded.table(0.5)
     with pytest.raises(PolicyError, match="no policy.json"):
@@ -175,7 +155,7 @@ def test_floors_respected_online():
 def test_shipped_policy_loads_and_obeys_its_budgets():
     path = SHIPPED_POLICIES / "qwen2.5-coder-0.5b"
     policy = PersistencePolicy.load(path)
-    policy.check_compatible("qwen2.5-coder-0.5b", 24)
+    assert (policy.fits.architecture, policy.fits.num_layers, policy.fits.num_kv_heads) == ("qwen2", 24, 2)
     assert policy.groups == 4 and policy.calibration_items and policy.fits.num_layers == 24
     from pask_jax.bfcl import is_calibration
 

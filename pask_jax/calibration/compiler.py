@@ -27,7 +27,7 @@ import copy
 import numpy as np
 
 from pask_jax.layers import layer_groups
-from pask_jax.policy import PersistencePolicy, PolicyTable
+from pask_jax.policy import ModelFingerprint, PersistencePolicy, PolicyTable
 
 GROUP_SHARE = 2.0  # a layer group keeps between budget / GROUP_SHARE and GROUP_SHARE x budget of its entries
 ABLATIONS = ("none", "no_floors", "no_distortion", "one_role", "one_group")
@@ -135,9 +135,17 @@ def compile_table(
 
 
 def compile_policy(
-    stats, budgets: list[float], *, release_window: int = 8, notes: str = "", ablation: str = "none", **options
+    stats,
+    budgets: list[float],
+    *,
+    release_window: int = 8,
+    notes: str = "",
+    ablation: str = "none",
+    fits: ModelFingerprint | None = None,
+    **options,
 ) -> PersistencePolicy:
-    """A policy over several budgets, carrying the calibration's model, layer count, groups and item ids."""
+    """A policy over several budgets, carrying the calibration's model, layer count, groups and item ids, and the
+    fingerprint of the model it fits (`fits`: without one, the policy cannot be used with a model)."""
     if ablation not in ABLATIONS:
         raise ValueError(f"unknown ablation {ablation!r}; choose one of {', '.join(ABLATIONS)}")
     options |= {"no_floors": {"use_floors": False}, "no_distortion": {"use_distortion": False}}.get(ablation, {})
@@ -153,4 +161,5 @@ def compile_policy(
         taxonomy=stats.taxonomy,
         calibration_items=tuple(stats.item_ids),
         notes=notes,
+        fits=fits,
     )

@@ -44,7 +44,6 @@ from tqdm.auto import tqdm
 from pask_jax.bfcl import (
     CATEGORIES,
     SPLIT_RULE,
-    SPLIT_RULES,
     canonical_calls,
     is_calibration,
     load_answers,
@@ -55,7 +54,7 @@ from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.layers import layer_groups
 from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions, format_tool_call
 from pask_jax.models.qwen3 import Qwen3
-from pask_jax.structure.grammar import GrammarConstraint, compile_grammar
+from pask_jax.structure import GrammarConstraint, bfcl_function, compile_grammar
 from pask_jax.structure.prompt_roles import prompt_roles
 from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
 
@@ -155,9 +154,9 @@ def prepare_example(
     functions = bfcl_python_functions(item["function"])
     prompt = bfcl_prompt(item)
     ids = np.asarray(tokenizer.encode(prompt), np.int32)
-    roles = np.asarray(prompt_roles(prompt, tokenizer, functions), np.int32).copy()
+    roles = np.asarray(prompt_roles(prompt, tokenizer, item["question"][0], functions), np.int32).copy()
     roles[0] = Role.SINK
-    grammar = compile_grammar(functions, tokenizer, framing="tool_call")
+    grammar = compile_grammar([bfcl_function(f) for f in functions], tokenizer, framing="tool_call")
     if gold is not None:
         renderings = [gold]
     elif engine is not None:
@@ -394,17 +393,23 @@ def calibrate_examples(
 
 
 def calibrate(
-    model: Qwen3, tokenizer, items_with_answers: Sequence[tuple[dict, dict]], *, target: str = "own", **options
+    model: Qwen3,
+    tokenizer,
+    items_with_answers: Sequence[tuple[dict, dict]],
+    *,
+    target: str = "own",
+    rule: str = SPLIT_RULE,
+    **options,
 ) -> CalibrationStats:
-    """Calibrate on BFCL (item, answer) pairs from the calibration split (`calibration_items`; an evaluation item is
-    refused) against `target` "own" (the model's own full-KV call; items where it does not finish are skipped) or
-    "canonical" (the rendered ground truth). Options as `calibrate_examples`: groups=4, levels=DEFAULT_LEVELS,
-    checkpoint_dir=None, max_items=None, batch=32, save_every=4, progress=True."""
+    """Calibrate on BFCL (item, answer) pairs from the calibration part of split `rule` (`calibration_items`; a dev
+    or evaluation item is refused) against `target` "own" (the model's own full-KV call; items where it does not
+    finish are skipped) or "canonical" (the rendered ground truth). Options as `calibrate_examples`: groups=4,
+    levels=DEFAULT_LEVELS, checkpoint_dir=None, max_items=None, batch=32, save_every=4, progress=True."""
     if target not in TARGETS:
         raise ValueError(f"target={target!r}: choose one of {', '.join(TARGETS)}")
-    leaked = [it["id"] for it, _ in items_with_answers if not any(is_calibration(it["id"], r) for r in SPLIT_RULES)]
+    leaked = [it["id"] for it, _ in items_with_answers if not is_calibration(it["id"], rule)]
     if leaked:
-        raise ValueError(f"only calibration-part items may be calibrated on, not: {leaked[:5]}")
+        raise ValueError(f"dev and evaluation items must never be calibrated on (split rule {rule!r}): {leaked[:5]}")
     vocab = model.config.vocab_size
     engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids) if target == "own" else None
     examples = [

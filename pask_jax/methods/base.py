@@ -52,6 +52,7 @@ class KVMethod:
 
     name: ClassVar[str] = "base"
     needs_decode_attention: ClassVar[bool] = False  # True: decode computes attention weights for `update_scores`
+    needs_roles: ClassVar[bool] = False  # True: token roles decide what it keeps (generation without any is an error)
 
     def layer_fractions(self, num_layers: int, budget: float) -> np.ndarray:
         return np.full(num_layers, budget)

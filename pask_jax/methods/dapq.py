@@ -7,7 +7,7 @@ positions the first generated tokens will occupy, P_b + `position_offset` .. P_b
 the N queries and the GQA group, per layer and KV head; the top entries are kept. The pseudo tokens' own KV never
 reaches the cache, and decoding starts at position P_b.
 
-Hyper-parameters (the paper's defaults as DESIGN.md section 1 and issue 5 state them; its ablations: shifting the
+Hyper-parameters (the paper's defaults, its appendix settings; its ablations: shifting the
 positions hurts, the content matters little):
 - `num_pseudo` N = 32 pseudo tokens.
 - `content`: what the pseudo tokens are. "first_last" (default): the prompt's first `first` = 4 and last N - 4 = 28

@@ -44,6 +44,7 @@ Table = tuple[tuple[float, ...], ...]  # [R][G]
 @dataclasses.dataclass(frozen=True)
 class PaskKV(KVMethod):
     name: ClassVar[str] = "pask"
+    needs_roles: ClassVar[bool] = True
     floor: Table = ()  # [R][G]; empty: no policy (every bucket equal)
     priority: Table = ()  # [R][G] in [0, 1)
     retain: tuple[tuple[bool, ...], ...] = ()  # [R][G]

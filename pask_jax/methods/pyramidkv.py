@@ -14,7 +14,7 @@ applies the pyramid to the budget minus the window, steps by (k_0 - k_{m-1}) // 
 k_{m-1}) and, when layer 0 would exceed the prompt, clips it instead of going uniform: here the window counts inside
 each layer's budget and the interpolation ends at k_{m-1} exactly, so the mean is the budget.
 
-Hyper-parameters: `beta` = 20 (the paper's setting, as issue 5 fixes it); `window` = 32, `kernel` = 7 as SnapKV.
+Hyper-parameters: `beta` = 20 (the paper's setting); `window` = 32, `kernel` = 7, `pooling` as SnapKV.
 """
 
 from __future__ import annotations

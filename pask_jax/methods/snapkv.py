@@ -8,8 +8,9 @@ PyTorch's max_pool1d pads). The prefix entries with the highest pooled scores ar
 kept (PROTECTED; if the quota is smaller than the window, its newest tokens first). Only one layer's
 f32[B, K, G, window, T] block is materialised at a time.
 
-Hyper-parameters: `window` = 32 (observation window) and `kernel` = 7 (max-pool kernel), the SnapKV paper's values
-as issue 5 fixes them (the authors' code also offers average pooling; we use max, as the paper and issue 5).
+Hyper-parameters: `window` = 32 (observation window), `kernel` = 7 (pooling kernel) and `pooling` = "max", the
+SnapKV paper's values; "avg" is the authors' code's other choice (average pooling with zero padding, divided by the
+kernel, as PyTorch's avg_pool1d with count_include_pad).
 
 Decode rule (SnapKV only compresses the prompt; this keeps it under the running cap): every generated token enters;
 when a (layer, sequence, KV head) is over its cap, the lowest-scored prompt entry leaves (non-window entries by
@@ -27,8 +28,12 @@ import jax.numpy as jnp
 from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
 from pask_jax.models.qwen3 import attention_probs
 
+POOLINGS = ("max", "avg")
 
-def window_scores(q: jax.Array, k: jax.Array, lengths: jax.Array, window: int, kernel: int) -> jax.Array:
+
+def window_scores(
+    q: jax.Array, k: jax.Array, lengths: jax.Array, window: int, kernel: int, pooling: str = "max"
+) -> jax.Array:
     """SnapKV's scores of one layer: q f[B, T, N, H], k f[B, T, K, H], lengths i32[B] -> f32[B, K, T].
 
     Prefix entries get the pooled window attention (>= 0), window entries PROTECTED * (1 + small rank, newest
@@ -42,14 +47,16 @@ def window_scores(q: jax.Array, k: jax.Array, lengths: jax.Array, window: int, k
     summed = attention_probs(q_win, k, mask).sum(axis=(2, 3))  # [B, K, T] over the GQA group and the window
     start = jnp.maximum(lengths - window, 0)[:, None, None]  # first window position
     prefix = keys < start
-    pooled = jax.lax.reduce_window(
-        jnp.where(prefix, summed, -jnp.inf),
-        -jnp.inf,
-        jax.lax.max,
-        (1, 1, kernel),
-        (1, 1, 1),
-        ((0, 0), (0, 0), (kernel // 2, (kernel - 1) // 2)),
-    )
+    padding = ((0, 0), (0, 0), (kernel // 2, (kernel - 1) // 2))
+    if pooling == "max":
+        pooled = jax.lax.reduce_window(
+            jnp.where(prefix, summed, -jnp.inf), -jnp.inf, jax.lax.max, (1, 1, kernel), (1, 1, 1), padding
+        )
+    else:
+        pooled = (
+            jax.lax.reduce_window(jnp.where(prefix, summed, 0.0), 0.0, jax.lax.add, (1, 1, kernel), (1, 1, 1), padding)
+            / kernel
+        )
     in_window = (keys >= start) & (keys < lengths[:, None, None])
     protected = PROTECTED * (1.0 + 1e-3 * (keys - start + 1) / window)  # distinct in float32, newest highest
     return jnp.where(in_window, protected, jnp.where(prefix, pooled, 0.0)).astype(jnp.float32)
@@ -67,14 +74,17 @@ def prompt_first_priority(scores: jax.Array, pos: jax.Array, prompt_len: jax.Arr
 class SnapKV(KVMethod):
     name: ClassVar[str] = "snapkv"
     window: int = 32  # observation window (last prompt tokens)
-    kernel: int = 7  # max-pool kernel along the keys
+    kernel: int = 7  # pooling kernel along the keys
+    pooling: str = "max"  # or "avg"
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.kernel < 1:
             raise ValueError(f"SnapKV window={self.window} and kernel={self.kernel} must be >= 1")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"SnapKV pooling={self.pooling!r} must be one of {POOLINGS}")
 
     def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
-        return window_scores(q, k, ctx.lengths, self.window, self.kernel)
+        return window_scores(q, k, ctx.lengths, self.window, self.kernel, self.pooling)
 
     def eviction_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
         return prompt_first_priority(scores, pos, prompt_len)

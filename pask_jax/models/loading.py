@@ -254,6 +254,15 @@ def load_gguf(path: str | Path, dtype: jnp.dtype = jnp.float32, name: str | None
     return build_model(cfg, gguf_tensors(reader, cfg), dtype, source=str(path))
 
 
+def load_config(path_or_name: str | Path) -> ModelConfig:
+    """The architecture of a checkpoint without reading its weights (config.json, or the GGUF header)."""
+    path = resolve_model_path(path_or_name)
+    name = str(path_or_name) if str(path_or_name) in MODELS else None
+    if path.is_dir():
+        return config_from_hf(json.loads((path / "config.json").read_text()), name=name or path.name)
+    return config_from_gguf(gguf.GGUFReader(path), name=name or path.stem)
+
+
 def load_model(path_or_name: str | Path, dtype: jnp.dtype = jnp.float32) -> Qwen3:
     """An HF checkpoint directory, a `.gguf` file, a registered name (`qwen2.5-coder-0.5b`) or an HF repo id."""
     path = resolve_model_path(path_or_name)

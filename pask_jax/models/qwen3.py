@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pask_jax.cache import masked_softmax
+from pask_jax.kernels import masked_softmax
 
 # attend(layer_index, q f[B, T, N, H], k f[B, T, K, H], v f[B, T, K, H]) -> f[B, T, N, H]
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]

@@ -1,0 +1,40 @@
+"""Benchmarks, the CLI's `pask-jax bench BENCHMARK [ARGS]`: each module is imported only when it runs.
+
+- `serving`: batch grammar-constrained generation under one KV-memory limit, Full KV vs PASK vs baselines.
+- `decode`: prefill and decode throughput of the engine vs transformers' `generate` (needs torch, transformers).
+- `kernel`: decode-step attention time vs KV capacity (XLA reference, compacted pool, Pallas kernels).
+- `cache`: KV-cache bytes vs budget for a model preset, from shapes alone.
+
+`pask-jax bench BENCHMARK --help` lists a benchmark's own arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "serving": "batch generation under one KV-memory limit, Full KV vs PASK vs baselines",
+    "decode": "prefill / decode throughput vs transformers' generate",
+    "kernel": "decode-step attention time vs KV capacity",
+    "cache": "KV-cache bytes vs budget, from shapes alone",
+}
+USAGE = (
+    "usage: pask-jax bench {"
+    + ",".join(BENCHMARKS)
+    + "} [ARGS]\n\n"
+    + "\n".join(f"  {name:<8} {about}" for name, about in BENCHMARKS.items())
+)
+
+
+def main(argv: list[str] | None = None):
+    """Run the benchmark named by argv[0] with the rest of argv; returns what its `main` returns (its result)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        raise SystemExit(0)
+    if not argv or argv[0] not in BENCHMARKS:
+        given = f"unknown benchmark {argv[0]!r}" if argv else "no benchmark named"
+        print(f"{USAGE}\n\npask-jax bench: error: {given}", file=sys.stderr)
+        raise SystemExit(2)
+    return importlib.import_module(f"pask_jax.bench.{argv[0]}").main(argv[1:])

@@ -1,0 +1,86 @@
+"""The one switch between the XLA reference and the Pallas kernels of gather + GQA decode attention.
+
+``gather_attention(..., use_kernel=False)`` is the XLA reference (``reference.ref_gather_attention``). With
+``use_kernel=True`` the ``backend`` picks the kernel: ``"tpu"`` the Mosaic kernel (``tpu.py``), ``"gpu"`` the Triton
+kernel (``gpu.py``), ``"cpu"`` -- there is no CPU kernel -- the TPU kernel interpreted. ``backend=None`` means
+``jax.default_backend()``. A kernel runs compiled only when JAX runs on its own platform and is interpreted elsewhere
+(``interpret=None``); pass ``interpret`` to choose (``pltpu.InterpretParams()`` only for the TPU kernel).
+
+Block sizes: each backend's default is its kernel's preferred block, shrunk to fit a short table -- TPU
+``min(128, S rounded up to a multiple of 8)``, GPU ``min(64, max(16, next power of two >= S))`` (Triton needs powers of
+two >= 16). The slot table need not be a whole number of blocks (the cache's capacity is whatever the budget gives): the
+dispatcher pads it with slot 0 to the next multiple of the block and clamps ``lengths`` to the original ``S``, so the
+padding is never attended to. That costs a copy of the int32 table, not of K/V; the kernels never visit blocks past
+``lengths``. An explicit ``block_size`` the kernel cannot take (e.g. a GPU block that is not a power of two >= 16)
+raises the kernel's ValueError.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from pask_jax.kernels import gpu, reference, tpu
+
+BACKENDS = ("cpu", "gpu", "tpu")
+_TPU_SUBLANES = 8
+
+
+def kernel_block_size(backend: str, table_len: int) -> int:
+    """The default block size of the kernel `gather_attention` runs on `backend` for a slot table of `table_len`."""
+    if backend == "gpu":
+        return min(gpu.DEFAULT_GPU_BLOCK_SIZE, max(gpu.MIN_DOT_DIM, 1 << max(table_len - 1, 0).bit_length()))
+    return min(tpu.DEFAULT_TPU_BLOCK_SIZE, max(_TPU_SUBLANES, -(-table_len // _TPU_SUBLANES) * _TPU_SUBLANES))
+
+
+def _pad_to_blocks(
+    slot_table: jax.Array,  # i32[B, K, S]
+    lengths: jax.Array,  # i32[B, K]
+    block_size: int,
+) -> tuple[jax.Array, jax.Array]:  # i32[B, K, S'] with S' a multiple of block_size, i32[B, K]
+    s = slot_table.shape[-1]
+    pad = -s % block_size
+    if not pad:
+        return slot_table, lengths
+    # lengths beyond S count as S: clamp them so that the padding (slot 0) is never a valid entry
+    return jnp.pad(slot_table, ((0, 0), (0, 0), (0, pad))), jnp.minimum(lengths, s)
+
+
+def gather_attention(
+    q: jax.Array,  # f[B, K, G, H]
+    k_slots: jax.Array,  # f[B, K, C, H]
+    v_slots: jax.Array,  # f[B, K, C, H]
+    slot_table: jax.Array,  # i32[B, K, S]
+    lengths: jax.Array,  # i32[B, K]
+    *,
+    use_kernel: bool,
+    backend: str | None = None,  # "cpu" | "gpu" | "tpu"; None: jax.default_backend()
+    block_size: int | None = None,  # None: the backend's default (see the module docstring); reference: ignored
+    interpret: bool | pltpu.InterpretParams | None = None,  # None: compiled only on the kernel's own platform
+    scale: float | None = None,  # None: 1 / sqrt(H)
+) -> jax.Array:  # f[B, K, G, H], q.dtype
+    """Decode attention of q over the slots ``slot_table[b, h, :lengths[b, h]]``: the XLA reference or a kernel."""
+    backend = jax.default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    reference.validate_inputs(q, k_slots, v_slots, slot_table, lengths)
+    if not use_kernel:
+        return reference.ref_gather_attention(q, k_slots, v_slots, slot_table, lengths, scale=scale)
+    platform = "gpu" if backend == "gpu" else "tpu"  # whose kernel runs
+    if interpret is None:
+        interpret = backend == "cpu" or jax.default_backend() != platform
+    if block_size is None:
+        block_size = kernel_block_size(platform, slot_table.shape[-1])
+    slot_table, lengths = _pad_to_blocks(slot_table, lengths, block_size)
+    if platform == "gpu":
+        if not isinstance(interpret, bool):
+            raise ValueError(
+                f"the GPU kernel takes interpret=True or False, got {interpret!r} (InterpretParams simulate a TPU)"
+            )
+        return gpu.gather_attention_gpu_kernel(
+            q, k_slots, v_slots, slot_table, lengths, block_size=block_size, interpret=interpret, scale=scale
+        )
+    return tpu.gather_attention_kernel(
+        q, k_slots, v_slots, slot_table, lengths, block_size=block_size, interpret=interpret, scale=scale
+    )

@@ -1,0 +1,250 @@
+"""`LLM`: OpenAI chat-completions requests in, `chat.completion` objects out, through a budget-sized KV cache.
+
+    llm = pask_jax.LLM("qwen2.5-coder-0.5b", method="pask", budget=0.33, policy="auto")
+    [answer] = llm.chat({"messages": [...], "tools": [...], "temperature": 0})
+    answer["choices"][0]["message"]["tool_calls"]    # OpenAI shape; answer["pask"]: kept/full KV, TTFT, ...
+
+Requests are rendered with the checkpoint's own chat template, their tool calls (or JSON content) decoded under the
+grammar, and batched: requests that share sampling settings and constrained-ness are length-sorted into micro-batches
+of up to `max_batch` rows. The model's weights load on first use, so bad requests are refused before that.
+`policy`: "auto" (PASK only) finds the shipped policy that fits the model by fingerprint; a directory loads that
+policy (refused if it fits another model); None runs PASK uncalibrated (recency with sinks).
+Sampling: `seed` applies per micro-batch (requests with different seeds never share one); `stop` strings cut the
+returned text (the row still decodes to its end or its token limit).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from pask_jax.engine import Engine, Generation, SamplingConfig
+from pask_jax.factory import make_engine
+from pask_jax.models.chat_template import ChatTemplate, load_chat_template
+from pask_jax.models.fetch import resolve_model_path
+from pask_jax.models.loading import load_config, load_model
+from pask_jax.models.qwen3 import Qwen3
+from pask_jax.models.tokenizer import Tokenizer, load_tokenizer_from_path
+from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
+from pask_jax.requests import PreparedRequest, RequestBuilder, parse_request
+from pask_jax.structure import FreeTextConstraint, GrammarConstraint
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+DEFAULT_MAX_CONTEXT = 32768
+_TOOL_CALL_OPEN, _TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class LLM:
+    """A model, its tokenizer and chat template, and one engine (method, budget, policy) behind `chat()`."""
+
+    def __init__(
+        self,
+        model: str | Path | Qwen3 = DEFAULT_MODEL,
+        *,
+        method: str = "pask",
+        budget: float = 0.33,
+        policy: str | Path | PersistencePolicy | None = "auto",
+        tokenizer: Tokenizer | None = None,
+        chat_template: ChatTemplate | None = None,
+        max_batch: int = 8,
+        max_context: int = DEFAULT_MAX_CONTEXT,
+        num_groups: int | None = None,
+        use_kernel: bool = False,
+        method_overrides: dict | None = None,
+    ):
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be >= 1")
+        if isinstance(model, Qwen3):
+            if tokenizer is None:
+                raise ValueError("LLM(model=<a Qwen3 instance>) needs tokenizer=")
+            self._model, config, self.model_name = model, model.config, model.config.name
+        else:
+            path = resolve_model_path(model)
+            self._model, config, self.model_name = None, load_config(model), str(model)
+            tokenizer = tokenizer or load_tokenizer_from_path(path)
+            chat_template = chat_template or load_chat_template(path)
+            self._path = model
+        self.config, self.tokenizer = config, tokenizer
+        self.method, self.budget = method, (1.0 if method == "full" else budget)
+        self.fingerprint = ModelFingerprint.of(config, tokenizer)
+        self.policy = resolve_policy(policy, self.fingerprint) if method == "pask" else None
+        if self.policy is not None:
+            self.policy.table(self.budget)  # refuse a budget the policy does not answer before loading weights
+        self.builder = RequestBuilder(tokenizer, chat_template, max_context=max_context)
+        self.max_batch = max_batch
+        self._engine_options = dict(num_groups=num_groups, use_kernel=use_kernel, overrides=method_overrides)
+        self._engine: Engine | None = None
+
+    @property
+    def model(self) -> Qwen3:
+        """The model, its weights loaded on first use."""
+        if self._model is None:
+            self._model = load_model(self._path)
+        return self._model
+
+    @property
+    def engine(self) -> Engine:
+        """The engine, built on first use."""
+        if self._engine is None:
+            self._engine = make_engine(
+                self.model,
+                self.method,
+                self.budget,
+                policy=self.policy,
+                stop_token_ids=self.tokenizer.eos_token_ids,
+                max_context=self.builder.max_context,
+                **self._engine_options,
+            )
+        return self._engine
+
+    def describe(self) -> dict:
+        """The method as it runs: what a results file records to say which configuration produced it."""
+        return {
+            "model": self.model_name,
+            "method": self.method,
+            "budget": self.budget,
+            "policy": self.policy.content_hash() if self.policy is not None else None,
+        }
+
+    def prepare(self, body: dict) -> PreparedRequest:
+        """Validate, render, tokenize and compile one request body (RequestError / GrammarError if it cannot run)."""
+        return self.builder.prepare(parse_request(body))
+
+    def chat(self, requests: dict | Sequence[dict]) -> list[dict]:
+        """Chat-completions bodies -> `chat.completion` objects, in order. A bad request raises, naming its index."""
+        bodies = [requests] if isinstance(requests, dict) else list(requests)
+        prepared = []
+        for i, body in enumerate(bodies):
+            try:
+                prepared.append(self.prepare(body))
+            except ValueError as e:
+                raise type(e)(f"request {i}: {e}") from None
+        answers: list[dict | None] = [None] * len(prepared)
+        for indices, completions in self.generate(prepared):
+            for i, completion in zip(indices, completions, strict=True):
+                answers[i] = completion
+        return answers
+
+    def micro_batches(self, prepared: Sequence[PreparedRequest]) -> list[list[int]]:
+        """Indices grouped by sampling settings and constrained-ness, length-sorted, at most `max_batch` each."""
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(prepared):
+            r = p.request
+            key = (r.temperature, r.top_p, r.seed if r.temperature > 0 else 0, p.grammar is not None)
+            groups.setdefault(key, []).append(i)
+        batches = []
+        for indices in groups.values():
+            indices.sort(key=lambda i: len(prepared[i].ids))
+            batches += [indices[s : s + self.max_batch] for s in range(0, len(indices), self.max_batch)]
+        return batches
+
+    def generate(self, prepared: Sequence[PreparedRequest]) -> Iterator[tuple[list[int], list[dict]]]:
+        """Run prepared requests micro-batch by micro-batch: yields (their indices, their completions)."""
+        for indices in self.micro_batches(prepared):
+            batch = [prepared[i] for i in indices]
+            yield indices, self._run(batch)
+
+    def _run(self, batch: list[PreparedRequest]) -> list[dict]:
+        engine, first = self.engine, batch[0].request
+        sampling = SamplingConfig(
+            max_new_tokens=max(p.request.max_tokens for p in batch),
+            temperature=first.temperature,
+            top_p=first.top_p,
+            seed=first.seed,
+        )
+        vocab = engine.cfg.vocab_size
+        if batch[0].grammar is not None:
+            constraint = GrammarConstraint([p.grammar for p in batch], vocab)
+        else:
+            constraint = FreeTextConstraint(len(batch), vocab, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
+        start = time.perf_counter()
+        generations = engine.generate(
+            [p.ids for p in batch], sampling, prompt_roles=[p.roles for p in batch], constraint=constraint
+        )
+        created = int(time.time() - (time.perf_counter() - start))
+        return [self.completion(p, g, created) for p, g in zip(batch, generations, strict=True)]
+
+    def _answers_with_calls(self, prepared: PreparedRequest, tokens: list[int]) -> bool:
+        """Whether the grammar's call branch was taken: by the first token (an "auto" text answer may spell the
+        text "<tool_call>" with ordinary tokens, which the grammar's text branch allows)."""
+        grammar = prepared.grammar
+        if grammar is None or grammar.kind == "json" or not tokens:
+            return False
+        if grammar.kind == "tool_calls":
+            return True
+        return tokens[0] == grammar.vocab.call_open_id
+
+    def completion(self, prepared: PreparedRequest, gen: Generation, created: int) -> dict:
+        """One generation as an OpenAI `chat.completion` object, plus the `pask` field."""
+        request = prepared.request
+        tokens = gen.tokens[: request.max_tokens]
+        finish = "length" if len(gen.tokens) > request.max_tokens else gen.finish_reason
+        stop_ids = set(self.tokenizer.eos_token_ids)
+        text = self.tokenizer.decode([t for t in tokens if t not in stop_ids])
+        content, tool_calls = _split_tool_calls(text, self._answers_with_calls(prepared, tokens))
+        if tool_calls and finish == "stop":
+            finish = "tool_calls"
+        if content is not None and request.stop and not tool_calls:
+            cut = min((content.find(s) for s in request.stop if s in content), default=-1)
+            if cut >= 0:
+                content, finish = content[:cut], "stop"
+        message = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        stats = gen.stats
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {
+                "prompt_tokens": stats.prompt_tokens,
+                "completion_tokens": len(tokens),
+                "total_tokens": stats.prompt_tokens + len(tokens),
+            },
+            "pask": self.describe()
+            | {
+                "kept_ratio_mean": round(stats.kept_ratio_mean, 4),
+                "kept_ratio_max": round(stats.kept_ratio_max, 4),
+                "ttft_s": round(stats.ttft_s, 3),
+                "decode_s": round(float(np.sum(stats.token_times_s)), 3),
+            },
+        }
+
+
+def _split_tool_calls(text: str, with_calls: bool) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of an answer: `<tool_call>` blocks become OpenAI tool calls, the rest is content."""
+    if not with_calls:
+        return text, []
+    calls, rest, pos = [], [], 0
+    while (start := text.find(_TOOL_CALL_OPEN, pos)) >= 0:
+        rest.append(text[pos:start])
+        end = text.find(_TOOL_CALL_CLOSE, start)
+        if end < 0:  # cut off by the token limit: an unfinished call is content, not a call
+            rest.append(text[start:])
+            pos = len(text)
+            break
+        body = text[start + len(_TOOL_CALL_OPEN) : end]
+        try:
+            call = json.loads(body)
+            name, arguments = call["name"], call["arguments"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            rest.append(text[start : end + len(_TOOL_CALL_CLOSE)])
+        else:
+            calls.append(
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+                }
+            )
+        pos = end + len(_TOOL_CALL_CLOSE)
+    rest.append(text[pos:])
+    content = "".join(rest).strip()
+    return (content or None), calls

@@ -1,0 +1,810 @@
+"""The tables of docs/RESULTS.md, computed from the committed results files, and paired statistics for two methods
+scored on the same items.
+
+A table sits in the document between ``<!-- table:NAME -->`` and ``<!-- /table -->``; ``TABLES`` maps every NAME
+to the function that renders it (a claim sentence with its numbers, then a Markdown table) from the files under the
+repository root. ``render_tables`` rewrites every block from its files and leaves the text around the blocks as it
+is; ``stale_tables`` names the blocks whose text differs from what their files give (what
+``python scripts/results_tables.py --check`` reports).
+
+Paired statistics over items: ``paired_bootstrap_ci`` (percentile interval of an accuracy difference, items
+resampled with replacement, fixed seed) and ``mcnemar_exact_p`` (two-sided exact binomial test on the discordant
+items). Standard library only, plus ``pask_jax.bfcl`` (the split rule, BFCL's means, the items' tool sets; it loads
+no JAX) and, for one table, the role names of ``pask_jax.structure.roles``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import random
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pask_jax import bfcl
+
+RESAMPLES = 10_000
+SEED = 0
+BUDGETS = (0.2, 0.33, 0.5)
+BASELINES = ("random", "streamingllm", "h2o", "snapkv", "pyramidkv", "dapq")
+NON_PARALLEL = ("simple_python", "multiple", "live_simple", "live_multiple")
+SHIPPED_POLICY = "pask_jax/policies/qwen2.5-coder-0.5b"
+SHIPPED_STATS = "results/calibration_qwen2.5-coder-0.5b_own16.json"
+SWEEP = "results/bfcl_sweep_25.json"
+SWEEP_PASK = ("results/bfcl_pask_entry_order.json", "results/bfcl_pask_entry_order_parallel.json")
+CLOSING = "<!-- /table -->"
+# Markers are whole lines, so a document may quote them inline.
+BLOCK = re.compile(r"^<!-- table:([a-z0-9_]+) -->\n(.*?)^<!-- /table -->$", re.DOTALL | re.MULTILINE)
+MARKER_LINE = re.compile(r"^<!-- /?table.*$", re.MULTILINE)
+
+
+class ReportError(ValueError):
+    """A results document or results file that the tables cannot be rendered from."""
+
+
+# ---- paired statistics ----------------------------------------------------------------------------------------------
+
+
+def mcnemar_exact_p(only_a: int, only_b: int) -> float:
+    """Two-sided exact McNemar p from the discordant counts (items only A gets right, items only B gets right):
+    2 P(X <= min(only_a, only_b)) for X ~ Binomial(only_a + only_b, 1/2), at most 1 (1 when none is discordant)."""
+    if only_a < 0 or only_b < 0:
+        raise ValueError(f"discordant counts must be >= 0, got {only_a} and {only_b}")
+    n = only_a + only_b
+    tail = sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1))
+    return min(1.0, 2 * tail / 2**n)
+
+
+def paired_bootstrap_ci(
+    a: Sequence[bool], b: Sequence[bool], *, resamples: int = RESAMPLES, seed: int = SEED, level: float = 0.95
+) -> tuple[float, float]:
+    """Percentile interval of mean(a) - mean(b) (accuracies as fractions): the items are resampled with replacement
+    `resamples` times, item i bringing a[i] and b[i] together (the pairing is kept). Deterministic for a seed."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"need two equally long, non-empty outcome lists, got {len(a)} and {len(b)} items")
+    if resamples < 1 or not 0.0 < level < 1.0:
+        raise ValueError(f"need resamples >= 1 and level in (0, 1), got {resamples} and {level}")
+    diffs = [int(x) - int(y) for x, y in zip(a, b, strict=True)]
+    n = len(diffs)
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return means[math.floor(tail * (resamples - 1))], means[math.ceil((1.0 - tail) * (resamples - 1))]
+
+
+def paired_counts(a: dict[str, bool], b: dict[str, bool]) -> tuple[list[str], int, int]:
+    """The items both cover (in a's order), how many only a gets right, and how many only b."""
+    items = [i for i in a if i in b]
+    return items, sum(a[i] and not b[i] for i in items), sum(b[i] and not a[i] for i in items)
+
+
+# ---- reading results ------------------------------------------------------------------------------------------------
+
+
+def load_json(root: Path, relative: str) -> dict:
+    path = root / relative
+    if not path.is_file():
+        raise ReportError(f"results file {relative} is missing under {root}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _runs(result: dict, method: str, budget: float, categories: Sequence[str] | None = None) -> list[dict]:
+    runs = [
+        r
+        for r in result["runs"]
+        if r["method"] == method
+        and math.isclose(r["budget"], budget)
+        and (categories is None or r["category"] in categories)
+    ]
+    if not runs:
+        raise ReportError(f"no run of {method} at b = {budget:g} in this result")
+    return runs
+
+
+def items_of(result: dict, method: str, budget: float, categories: Sequence[str] | None = None) -> list[dict]:
+    """The scored items of one (method, budget) of a `pask-jax bfcl` result, in the file's order."""
+    return [item for run in _runs(result, method, budget, categories) for item in run["items"]]
+
+
+def outcomes(result: dict, method: str, budget: float, categories: Sequence[str] | None = None) -> dict[str, bool]:
+    """item id -> correct, for one (method, budget), in the file's order."""
+    return {item["id"]: bool(item["valid"]) for item in items_of(result, method, budget, categories)}
+
+
+def category_scores(result: dict, method: str, budget: float) -> dict[str, tuple[int, int]]:
+    """category -> (correct, n) of one (method, budget), counted from the items."""
+    return {
+        r["category"]: (sum(bool(i["valid"]) for i in r["items"]), len(r["items"]))
+        for r in _runs(result, method, budget)
+    }
+
+
+def overall(result: dict, method: str, budget: float) -> float | None:
+    """BFCL's overall mean (the unweighted mean of the 8 category accuracies)."""
+    return bfcl.summarize(category_scores(result, method, budget))["overall"]
+
+
+def _keys(result: dict) -> list[tuple[str, float]]:
+    return list(dict.fromkeys((r["method"], r["budget"]) for r in result["runs"]))
+
+
+def _best_baseline(result: dict, budget: float) -> tuple[str, float]:
+    scores = {m: overall(result, m, b) for m, b in _keys(result) if m in BASELINES and math.isclose(b, budget)}
+    best = max(scores, key=scores.get)
+    return best, scores[best]
+
+
+# ---- formatting -----------------------------------------------------------------------------------------------------
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}"
+
+
+def _points(x: float) -> str:
+    return f"{100 * x:+.1f}"
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _block(claim: str, *tables: str) -> str:
+    return "\n\n".join([f"**Claim.** {claim}", *tables])
+
+
+# ---- BFCL: accuracy vs budget ---------------------------------------------------------------------------------------
+
+
+def accuracy_table(result: dict) -> str:
+    """Accuracy (%) per category (items in the header) with BFCL's three means and the largest kept/full KV."""
+    present = {r["category"] for r in result["runs"]}
+    categories = [c for c in bfcl.CATEGORIES if c in present]
+    sizes = {c: max(len(r["items"]) for r in result["runs"] if r["category"] == c) for c in categories}
+    head = ["method", "b", *(f"{c} ({sizes[c]})" for c in categories), "non-live", "live", "overall", "kept/full max"]
+    rows = []
+    for method, budget in _keys(result):
+        scores = category_scores(result, method, budget)
+        means = bfcl.summarize(scores)
+        cells = [f"{100 * scores[c][0] / scores[c][1]:.0f}" if c in scores else "-" for c in categories]
+        kept = max(i["kept_ratio_max"] for i in items_of(result, method, budget))
+        rows.append(
+            [method, f"{budget:g}", *cells, *(_pct(means[k]) for k in ("non_live", "live", "overall")), f"{kept:.3f}"]
+        )
+    return _table(head, rows)
+
+
+def bfcl_sweep_25(root: Path) -> str:
+    result = load_json(root, SWEEP)
+    for budget in BUDGETS:
+        merged = {i: o for f in SWEEP_PASK for i, o in outcomes(load_json(root, f), "pask", budget).items()}
+        if merged != outcomes(result, "pask", budget):
+            raise ReportError(f"{SWEEP}: PASK at b = {budget:g} differs from its runs in {', '.join(SWEEP_PASK)}")
+    parallel = [c for c in bfcl.CATEGORIES if "parallel" in c]
+    scoring = sorted(
+        {m for m, b in _keys(result) for c, (k, _) in category_scores(result, m, b).items() if c in parallel and k}
+    )
+    full = overall(result, "full", 1.0)
+    parts = []
+    for budget in BUDGETS:
+        pask = overall(result, "pask", budget)
+        best, best_score = _best_baseline(result, budget)
+        parts.append(
+            f"at b = {budget:g} PASK {_pct(pask)} ({100 * pask / full:.1f}% of full KV's {_pct(full)}), best "
+            f"baseline {best} {_pct(best_score)} (PASK {_points(pask - best_score)} points)"
+        )
+    kept = [
+        max(i["kept_ratio_max"] for m, b in _keys(result) if math.isclose(b, x) for i in items_of(result, m, b))
+        for x in BUDGETS
+    ]
+    claim = (
+        f"Overall BFCL accuracy on the default evaluation sample ({len(outcomes(result, 'full', 1.0))} items): "
+        + "; ".join(parts)
+        + ". Largest kept/full KV at any step of any method: "
+        + " / ".join(f"{k:.3f}" for k in kept)
+        + " at b = "
+        + " / ".join(f"{b:g}" for b in BUDGETS)
+        + ". Methods with a correct item in a parallel category: "
+        + (", ".join(scoring) or "none")
+        + "."
+    )
+    return _block(claim, accuracy_table(result))
+
+
+# ---- BFCL: the item-hash split's overlap, and paired comparisons ----------------------------------------------------
+
+
+@functools.cache
+def _tool_sets() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """Per BFCL item of the eight categories: the fingerprint of its function dicts, and its sorted function names."""
+    exact, names = {}, {}
+    for category in bfcl.CATEGORIES:
+        for item in bfcl.load_category(category):
+            exact[item["id"]] = bfcl.tool_set_key(item["function"])
+            names[item["id"]] = tuple(sorted(f["name"] for f in item["function"]))
+    return exact, names
+
+
+def _calibration_items(root: Path) -> list[str]:
+    """The calibration items of the policy every PASK result was scored with (the statistics it was compiled
+    from), checked to lie in the item-hash calibration part."""
+    items = load_json(root, SHIPPED_STATS)["item_ids"]
+    if outside := [i for i in items if bfcl.part_of(i, "item-hash") != "calibration"]:
+        raise ReportError(f"{SHIPPED_STATS}: items {outside[:3]} are not item-hash calibration items")
+    return items
+
+
+def split_overlap(root: Path) -> str:
+    result = load_json(root, SWEEP)
+    calibration = _calibration_items(root)
+    exact, names = _tool_sets()
+    calibration_names = {names[i] for i in calibration}
+    calibration_exact = {exact[i] for i in calibration}
+    rows, totals = [], [0, 0, 0]
+    for category in bfcl.CATEGORIES:
+        ids = [i["id"] for i in items_of(result, "full", 1.0, [category])]
+        if scored := [i for i in ids if bfcl.part_of(i, "item-hash") != "evaluation"]:
+            raise ReportError(f"{SWEEP} scores items outside the item-hash evaluation part: {scored[:3]}")
+        counts = [
+            len(ids),
+            sum(names[i] in calibration_names for i in ids),
+            sum(exact[i] in calibration_exact for i in ids),
+        ]
+        totals = [t + c for t, c in zip(totals, counts, strict=True)]
+        rows.append([category, *counts])
+    rows.append(["**all**", *totals])
+    sample = outcomes(result, "full", 1.0)
+    schema_parts = Counter(bfcl.part_of(i, "schema") for i in calibration)
+    claim = (
+        f"Under the item-hash split, {totals[1]} of the {totals[0]} evaluation items of the default sample call the "
+        f"same set of functions (by name) as one of the shipped policy's {len(calibration)} calibration items; "
+        f"{totals[2]} of them have identical function definitions (names, parameters, descriptions). Under the "
+        f"schema rule {schema_parts['evaluation']} of those calibration items are evaluation items and "
+        f"{sum(bfcl.part_of(i, 'schema') == 'dev' for i in sample)} of the sample's items are dev items."
+    )
+    head = ["category", "evaluation items", "same function names as a calibration item", "identical function dicts"]
+    return _block(claim, _table(head, rows))
+
+
+PAIRED_HEAD = ("items", "A right", "B right", "only A", "only B", "A - B, points [95% CI]", "McNemar p")
+
+
+def _paired_row(label: str, a: dict[str, bool], b: dict[str, bool]) -> list[str]:
+    """A row of PAIRED_HEAD: counts, the item-weighted accuracy difference with its bootstrap interval, McNemar p."""
+    items, only_a, only_b = paired_counts(a, b)
+    low, high = paired_bootstrap_ci([a[i] for i in items], [b[i] for i in items])
+    right_a, right_b = sum(a[i] for i in items), sum(b[i] for i in items)
+    interval = f"{_points((right_a - right_b) / len(items))} [{_points(low)}, {_points(high)}]"
+    return [label, len(items), right_a, right_b, only_a, only_b, interval, f"{mcnemar_exact_p(only_a, only_b):.3f}"]
+
+
+def overlap_pask_dapq(root: Path) -> str:
+    """PASK vs DapQ at b = 0.33 on the non-parallel items, split by whether an item shares a calibration tool set."""
+    result = load_json(root, SWEEP)
+    pask = outcomes(result, "pask", 0.33, NON_PARALLEL)
+    dapq = outcomes(result, "dapq", 0.33, NON_PARALLEL)
+    _, names = _tool_sets()
+    calibration_names = {names[i] for i in _calibration_items(root)}
+    shared = {i for i in pask if names[i] in calibration_names}
+    subsets = {
+        "non-parallel items": set(pask),
+        "sharing a calibration item's function names": shared,
+        "the others": set(pask) - shared,
+    }
+    rows = [
+        _paired_row(label, {i: pask[i] for i in pask if i in ids}, {i: dapq[i] for i in dapq if i in ids})
+        for label, ids in subsets.items()
+    ]
+    (_, n_all, a_all, b_all, *_), (_, n_shared, a_shared, b_shared, *_), others = rows
+    claim = (
+        f"At b = 0.33 on the {n_all} non-parallel items PASK (A) leads DapQ (B) {a_all} to {b_all}; on the "
+        f"{n_shared} that share a calibration item's functions it is {a_shared} to {b_shared}, on the other "
+        f"{others[1]} {others[2]} to {others[3]} (McNemar p = {others[7]})."
+    )
+    return _block(claim, _table(["subset", *PAIRED_HEAD], rows))
+
+
+def paired_b033(root: Path) -> str:
+    """PASK against DapQ and against full KV, item by item, on the whole default sample."""
+    result = load_json(root, SWEEP)
+    full = outcomes(result, "full", 1.0)
+    rows = []
+    for budget in BUDGETS:
+        pask = outcomes(result, "pask", budget)
+        rows.append(_paired_row(f"PASK vs DapQ, b = {budget:g}", pask, outcomes(result, "dapq", budget)))
+        rows.append(_paired_row(f"PASK vs full KV, b = {budget:g}", pask, full))
+    dapq, versus_full = rows[2], rows[3]
+    claim = (
+        f"Item by item over the {dapq[1]} items at b = 0.33, PASK's accuracy minus DapQ's is {dapq[6]} points "
+        f"(McNemar p = {dapq[7]}), minus full KV's {versus_full[6]} (p = {versus_full[7]})."
+    )
+    return _block(claim, _table(["A vs B", *PAIRED_HEAD], rows))
+
+
+def versus_full(root: Path) -> str:
+    """Full KV's correct calls each run loses (by error type) and full KV's errors it gets right."""
+    result = load_json(root, SWEEP)
+    full = outcomes(result, "full", 1.0)
+    rows = {}
+    for method, budget in _keys(result):
+        items = items_of(result, method, budget)
+        lost = [i for i in items if full[i["id"]] and not i["valid"]]
+        gained = sum(bool(i["valid"]) and not full[i["id"]] for i in items)
+        kinds = Counter(i["error_type"] or "none" for i in lost).most_common()
+        rows[method, budget] = [
+            method,
+            f"{budget:g}",
+            "-" if method == "full" else len(lost),
+            "-" if method == "full" else gained,
+            ", ".join(f"{k} {n}" for k, n in kinds) or "-",
+            f"{sum(bool(i['parsed']) for i in items)}/{len(items)}",
+            sum(i.get("finish_reason") == "length" for i in items),
+        ]
+    at_033 = ", ".join(f"{m} {rows[m, 0.33][2]} / {rows[m, 0.33][3]}" for m in ("pask", "dapq", "snapkv"))
+    unexplained = sum(
+        not i["parsed"] and i.get("finish_reason") != "length" for m, b in _keys(result) for i in items_of(result, m, b)
+    )
+    claim = (
+        f"Of full KV's {sum(full.values())} correct calls, the runs at b = 0.33 lose / gain (full KV's errors they "
+        f"get right): {at_033}. Full KV parses {rows['full', 1.0][5]} outputs; {rows['full', 1.0][6]} of them hit "
+        f"the {result['config']['max_new_tokens']}-token limit. Outputs of any run that do not parse without having "
+        f"hit the limit: {unexplained}."
+    )
+    head = ["method", "b", "lost", "gained", "lost, by bfcl-eval error type", "parsed", "hit the token limit"]
+    return _block(claim, _table(head, list(rows.values())))
+
+
+# ---- BFCL: ablations and compiler options ---------------------------------------------------------------------------
+
+ABLATIONS_ENTRY_ORDER = "results/bfcl_ablations_entry_order_b033_limit8.json"
+ABLATION_REFERENCE = "pask (shipped policy)"  # the row the paired column compares with
+ABLATION_ROWS = (  # (label, file, method, budget)
+    ("full KV", SWEEP, "full", 1.0),
+    ("streamingllm", SWEEP, "streamingllm", 0.33),
+    ("dapq", SWEEP, "dapq", 0.33),
+    ("snapkv", SWEEP, "snapkv", 0.33),
+    (ABLATION_REFERENCE, "results/bfcl_pask_entry_order_b033_limit8.json", "pask", 0.33),
+    ("pask:no_floors", "results/bfcl_ablations_own16_tiers_b033_limit8.json", "pask:no_floors", 0.33),
+    ("pask:no_distortion", ABLATIONS_ENTRY_ORDER, "pask:no_distortion", 0.33),
+    ("pask:one_role", ABLATIONS_ENTRY_ORDER, "pask:one_role", 0.33),
+    ("pask:one_group", ABLATIONS_ENTRY_ORDER, "pask:one_group", 0.33),
+)
+
+
+def _ablation_rows(root: Path) -> tuple[list[list], dict[str, int]]:
+    """Per ABLATION_ROWS entry, on the reference row's items: correct-% per NON_PARALLEL category, their mean,
+    correct / n and the paired counts against the reference; and the correct counts by label."""
+    reference = ABLATION_REFERENCE
+    files = {f: load_json(root, f) for f in dict.fromkeys(spec[1] for spec in ABLATION_ROWS)}
+    got = {label: (files[f], outcomes(files[f], m, b, NON_PARALLEL)) for label, f, m, b in ABLATION_ROWS}
+    ref_result, ref = got[reference]
+    category = {i["id"]: r["category"] for r in ref_result["runs"] for i in r["items"]}
+    rows, correct = [], {}
+    for label, (_, outcome) in got.items():
+        if missing := [i for i in ref if i not in outcome]:
+            raise ReportError(f"{label} lacks the items {missing[:3]}")
+        outcome = {i: outcome[i] for i in ref}
+        accs = [
+            sum(outcome[i] for i in ref if category[i] == c) / sum(category[i] == c for i in ref) for c in NON_PARALLEL
+        ]
+        _, only_ref, only_this = paired_counts(ref, outcome)
+        versus = (
+            "-" if label == reference else f"{only_ref} / {only_this}, p = {mcnemar_exact_p(only_ref, only_this):.2f}"
+        )
+        correct[label] = sum(outcome.values())
+        rows.append(
+            [
+                label,
+                *(f"{100 * a:.0f}" for a in accs),
+                _pct(sum(accs) / len(accs)),
+                f"{correct[label]}/{len(ref)}",
+                versus,
+            ]
+        )
+    return rows, correct
+
+
+def ablations_b033(root: Path) -> str:
+    _, file, method, budget = next(row for row in ABLATION_ROWS if row[0] == ABLATION_REFERENCE)
+    rows, correct = _ablation_rows(root)
+    texts = {i["id"]: i["text"] for i in items_of(load_json(root, SWEEP), method, budget)}
+    here = items_of(load_json(root, file), method, budget)
+    same = sum(i["text"] == texts.get(i["id"]) for i in here)
+    claim = (
+        f"On these {len(here)} items at b = 0.33 the shipped policy gets {correct[ABLATION_REFERENCE]} right; its "
+        "ablations "
+        + ", ".join(f"{label.removeprefix('pask:')} {n}" for label, n in correct.items() if label.startswith("pask:"))
+        + f"; full KV {correct['full KV']}, DapQ {correct['dapq']}. The shipped policy's outputs here equal its "
+        f"default-sample run's on {same} of the {len(here)} items, text for text."
+    )
+    head = ["variant", *NON_PARALLEL, "mean", "correct", "only shipped / only variant"]
+    return _block(claim, _table(head, rows))
+
+
+DEV_FILES = {0.33: "results/dev_compiler_b033.json", 0.2: "results/dev_compiler_b02.json"}
+DEV_POLICIES = {  # label in the files -> what the policy is (all compiled from the own16 statistics)
+    "full": "full KV (b = 1)",
+    "pask:shipped": "removal order (policies/qwen2.5-coder-0.5b-removal-order)",
+    "pask:order": "per-entry order (the shipped policy)",
+    "pask:fs05": "per-entry order, `--floor-share 0.5`",
+    "pask:tol1": "per-entry order, `--tolerance 0.07`",
+    "pask:tol1_fs05": "per-entry order, `--tolerance 0.07 --floor-share 0.5`",
+}
+
+
+def dev_compiler(root: Path) -> str:
+    calibrated = {i for f in CALIBRATION_FILES for i in load_json(root, f)["item_ids"]}
+    rows, totals, sizes = [], {}, set()
+    for budget, file in DEV_FILES.items():
+        result = load_json(root, file)
+        for method, b in _keys(result):
+            if method not in DEV_POLICIES:
+                raise ReportError(f"{file}: method {method} has no description in DEV_POLICIES")
+            items = items_of(result, method, b)
+            if any(bfcl.part_of(i["id"], "item-hash") != "calibration" for i in items):
+                raise ReportError(f"{file}: {method} scores items outside the item-hash dev part")
+            if fitted := {i["id"] for i in items} & calibrated:
+                raise ReportError(f"{file}: {method} scores calibration items {sorted(fitted)[:3]}")
+            scores = category_scores(result, method, b)
+            totals[method, budget] = sum(k for k, _ in scores.values())
+            sizes.add(len(items))
+            cells = [f"{scores[c][0]}/{scores[c][1]}" for c in NON_PARALLEL]
+            rows.append([method, DEV_POLICIES[method], f"{b:g}", *cells, f"{totals[method, budget]}/{len(items)}"])
+    claim = (
+        f"Correct dev items (of {'/'.join(map(str, sorted(sizes)))}) at b = 0.33: "
+        + ", ".join(f"{m} {v}" for (m, b), v in totals.items() if b == 0.33)
+        + "; at b = 0.2: "
+        + ", ".join(f"{m} {v}" for (m, b), v in totals.items() if b == 0.2)
+        + "."
+    )
+    head = ["label", "policy", "b", *NON_PARALLEL, "correct"]
+    return _block(claim, _table(head, rows))
+
+
+# ---- calibration ----------------------------------------------------------------------------------------------------
+
+CALIBRATION_FILES = (
+    "results/calibration_qwen2.5-coder-0.5b_8items.json",
+    "results/calibration_qwen2.5-coder-0.5b_own16.json",
+    "results/calibration_qwen2.5-coder-0.5b_own31.json",
+)
+POLICY_ROOTS = ("pask_jax/policies", "policies")
+
+
+def _policies_from(root: Path, stats_file: str) -> list[str]:
+    """Policy directories whose recorded compile command reads `stats_file`."""
+    name = Path(stats_file).name
+    found = []
+    for base in POLICY_ROOTS:
+        for meta in sorted((root / base).rglob("policy.json")):
+            if f"--stats results/{name} " in json.loads(meta.read_text(encoding="utf-8"))["notes"] + " ":
+                found.append(str(meta.parent.relative_to(root)))
+    return found
+
+
+def calibration_stats(root: Path) -> str:
+    rows = []
+    for file in CALIBRATION_FILES:
+        stats = load_json(root, file)
+        n = stats["n_items"]
+        rows.append(
+            [
+                f"`{Path(file).name}`",
+                n,
+                stats.get("target", "canonical"),
+                ", ".join(f"{x:g}" for x in stats["levels"]),
+                f"{stats['baseline_error']:.2f}",
+                f"{stats['wall_s']:,.0f}",
+                f"{stats['wall_s'] / n:.0f}",
+                ", ".join(f"`{p}`" for p in _policies_from(root, file)) or "none",
+            ]
+        )
+    claim = (
+        "Calibration statistics: " + "; ".join(f"{r[1]} items against the {r[2]} call in {r[5]} s" for r in rows) + "."
+    )
+    head = [
+        "file",
+        "items",
+        "target",
+        "keep levels",
+        "baseline task error",
+        "wall s",
+        "s / item",
+        "policies compiled from it",
+    ]
+    return _block(claim, _table(head, rows))
+
+
+def calibration_own16_task_error(root: Path) -> str:
+    """Task-error increase with the bucket removed (keep level 0), per role present and layer group."""
+    from pask_jax.structure.roles import role_names
+
+    stats = load_json(root, SHIPPED_STATS)
+    names = role_names()
+    rows = [
+        [names[r], *(f"{g[0]:.2f}" for g in stats["task_error"][r]), f"{stats['entries'][r][0]:.1f}"]
+        for r in range(len(names))
+        if max(stats["present"][r]) > 0
+    ]
+    groups = range(stats["groups"])
+    worst = max(rows, key=lambda row: max(float(x) for x in row[1:-1]))
+    claim = (
+        f"One changed call of the {stats['n_items']} items is {1 / stats['n_items']:.2f} of task error; removing a "
+        f"bucket changes the call most for {worst[0]} ({' / '.join(worst[1:-1])} in groups "
+        + " / ".join(str(g) for g in groups)
+        + ")."
+    )
+    head = ["role", *(f"group {g}" for g in groups), "entries per item"]
+    return _block(claim, _table(head, rows))
+
+
+def shipped_policy(root: Path) -> str:
+    """The shipped policy's kept fraction per layer group at every budget, and its floors at b = 0.33."""
+    policy = load_json(root, f"{SHIPPED_POLICY}/policy.json")
+    groups = range(policy["groups"])
+    fractions = [[f"{t['budget']:g}", *(f"{f:.2f}" for f in t["group_fractions"])] for t in policy["tables"]]
+    table = next(t for t in policy["tables"] if math.isclose(t["budget"], 0.33))
+    floors = [
+        [role, *(f"{f:.2f}" for f in b["floor"]), " / ".join(b["action"])]
+        for role, b in table["buckets"].items()
+        if max(b["floor"]) > 0
+    ]
+    claim = (
+        f"The shipped policy ({len(policy['calibration_items'])} calibration items, {policy['groups']} layer groups) "
+        "keeps per layer group at b = 0.33: " + " / ".join(fractions[BUDGETS.index(0.33)][1:]) + " of the full length."
+    )
+    return _block(
+        claim,
+        _table(["b", *(f"group {g}" for g in groups)], fractions),
+        _table(["role with a floor (b = 0.33)", *(f"floor, group {g}" for g in groups), "action"], floors),
+    )
+
+
+# ---- serving, decode, kernel, parity, cache bytes -------------------------------------------------------------------
+
+
+def _serving(root: Path, file: str) -> str:
+    result = load_json(root, file)
+    runs = result["runs"]
+    full = next(r for r in runs if r["method"] == "full")
+    rows, gains = [], []  # gains: (method, budget, batch, decode x full, end to end x full) of the compressed runs
+    for r in runs:
+        ratio = r["ratio_vs_full"]
+        decode = r["decode_tokens_per_s"] / full["decode_tokens_per_s"]
+        if r is not full:
+            gains.append((r["method"], r["budget"], r["batch"], decode, ratio["throughput"]))
+        rows.append(
+            [
+                r["method"],
+                f"{r['budget']:g}",
+                r["batch"],
+                f"{r['decode_tokens_per_s']:.1f} ({_ratio(decode)})",
+                f"{r['tokens_per_s']:.2f} ({_ratio(ratio['throughput'])})",
+                f"{r['tpot_ms']:.0f} ({_ratio(ratio['tpot'])})",
+                f"{r['ttft_ms'] / 1000:.1f}",
+                f"{r['memory']['cache_bytes'] / 2**20:.1f} ({_ratio(ratio['cache_bytes'])})",
+                f"{r['peak_memory_bytes'] / 2**20:.0f} ({_ratio(ratio['peak_memory'])})",
+                f"{r['parser_ms_per_step']:.2f}",
+                r["recompiles_after_warmup"],
+            ]
+        )
+    workload = next(iter(result["workloads"].values()))
+    claim = (
+        f"Under full KV's cache at batch {full['batch']} ({workload['memory_limit_bytes'] / 2**20:.1f} MiB; prompts "
+        f"of {min(workload['prompt_tokens'])}-{max(workload['prompt_tokens'])} tokens), decode tokens/s against full "
+        f"KV's {full['decode_tokens_per_s']:.1f}: "
+        + ", ".join(f"{m} b = {b:g} at batch {n} {_ratio(d)}" for m, b, n, d, _ in gains)
+        + "; end to end (prefill included) "
+        + " / ".join(_ratio(e) for *_, e in gains)
+        + "; recompiles after warm-up: "
+        + str(sum(r["recompiles_after_warmup"] for r in runs))
+        + "."
+    )
+    head = [
+        "method", "b", "batch", "decode tokens/s (x full)", "tokens/s end to end (x full)", "TPOT ms (x full)",
+        "TTFT s", "KV cache MiB (x full)", "peak MiB (x full)", "parser ms/step", "recompiles",
+    ]  # fmt: skip
+    tables = [_table(head, rows)]
+    if sweep := result.get("decode_sweep"):
+        points = [
+            [f"{p['budget']:g}", f"{p['capacity_slots_mean']:.0f}", f"{p['tpot_ms']['median']:.0f}",
+             _ratio(p["tpot_ratio_vs_top_budget"]), p["recompiles_after_warmup"]]
+            for p in sweep["points"]
+        ]  # fmt: skip
+        tables.append(
+            f"Decode-step sweep ({sweep['method']}, batch {sweep['batch']}, {sweep['workload']} prompts):\n\n"
+            + _table(["b", "slots per layer", "TPOT ms", "TPOT x b = 1", "recompiles"], points)
+        )
+    return _block(claim, *tables)
+
+
+def serving_cpu_2k(root: Path) -> str:
+    return _serving(root, "results/serving_cpu_2k.json")
+
+
+def serving_cpu_bfcl(root: Path) -> str:
+    return _serving(root, "results/serving_cpu_bfcl.json")
+
+
+def bench_decode(root: Path) -> str:
+    result = load_json(root, "results/bench_decode.json")
+    rows, identical_rows, compared_rows = [], 0, 0
+    for entry in result["results"]:
+        ours = entry["ours"]
+        for side, ratios in (
+            ("transformers", "ours_over_transformers"),
+            ("transformers_1_thread", "ours_over_transformers_1_thread"),
+        ):
+            if side not in entry:
+                continue
+            theirs, ratio = entry[side], entry[ratios]
+            same = entry["same_greedy_tokens"]
+            identical = same["rows_identical"] if side == "transformers" else same[f"{side}_rows_identical"]
+            threads = 1 if side.endswith("1_thread") else result["machine"]["torch_threads"]
+            identical_rows, compared_rows = identical_rows + identical, compared_rows + same["rows"]
+            rows.append(
+                [
+                    entry["batch"],
+                    threads,
+                    f"{ours['prefill_tok_s']:.1f} / {theirs['prefill_tok_s']:.1f}",
+                    _ratio(ratio["prefill_speedup"]),
+                    f"{ours['decode_tok_s']:.2f} / {theirs['decode_tok_s']:.2f}",
+                    _ratio(ratio["decode_speedup"]),
+                    f"{identical}/{same['rows']}",
+                ]
+            )
+    recompiled = [
+        e["batch"]
+        for e in result["results"]
+        if e["ours"]["compiled_variants"]["after_warmup"] != e["ours"]["compiled_variants"]["after_timed"]
+    ]
+    claim = (
+        f"Greedy {result['new_tokens']} tokens of {result['model']} ({result['dtype']}, "
+        f"{result['machine']['jax_backend']}): the same tokens as transformers in {identical_rows} of "
+        f"{compared_rows} sequences compared; decode speed over transformers' "
+        + ", ".join(f"{r[5]} (batch {r[0]}, {r[1]} torch thread{'s' * (r[1] > 1)})" for r in rows)
+        + "; compiles during the timed runs: "
+        + ("none" if not recompiled else f"at batch {recompiled}")
+        + "."
+    )
+    head = [
+        "batch",
+        "torch threads",
+        "prefill tokens/s, ours / transformers",
+        "prefill x",
+        "decode tokens/s, ours / transformers",
+        "decode x",
+        "same greedy tokens",
+    ]
+    return _block(claim, _table(head, rows))
+
+
+def bench_kernel(root: Path) -> str:
+    result = load_json(root, "results/bench_kernel.json")
+    rows = []
+    for r in result["rows"]:
+        interpret = r.get("kernel_interpret_over_dense")
+        rows.append(
+            [
+                r["T"],
+                f"{r['kept_fraction']:g}",
+                r["kept_slots"],
+                r["capacity"],
+                f"{r['dense_ms']:.2f}",
+                f"{r['compacted_over_dense']:.2f}",
+                f"{r['ref_over_dense']:.2f}",
+                f"{r['ref_ordered_over_dense']:.2f}",
+                "-" if interpret is None else f"{interpret:.2f}",
+            ]
+        )
+    by_t = {}
+    for r in result["rows"]:
+        by_t.setdefault(r["T"], []).append(f"{r['compacted_over_dense']:.2f}")
+    fractions = " / ".join(f"{r['kept_fraction']:g}" for r in result["rows"] if r["T"] == result["rows"][0]["T"])
+    shape = result["shape"]
+    claim = (
+        f"One decode step's attention (B = {shape['B']}, {shape['K_kv_heads']} KV heads x {shape['G_q_per_kv']} "
+        f"query heads, head dim {shape['H_head_dim']}, {shape['dtype']}, {result['machine']['backend']}) over the "
+        "budget-sized pool costs, "
+        f"relative to dense attention over all T positions, at kept fractions {fractions}: "
+        + "; ".join(f"{' / '.join(v)} at T = {t}" for t, v in by_t.items())
+        + "."
+    )
+    head = [
+        "T",
+        "kept fraction",
+        "kept slots",
+        "capacity",
+        "dense ms",
+        "compacted pool x dense",
+        "XLA gather, permuted table x dense",
+        "XLA gather, ordered table x dense",
+        "interpreted Pallas kernel x dense",
+    ]
+    return _block(claim, _table(head, rows))
+
+
+def real_parity(root: Path) -> str:
+    result = load_json(root, "results/real_parity.json")
+    rows = [[i["id"], "yes" if i["identical"] else "no", i["first_divergence"] or "-"] for i in result["items"]]
+    claim = (
+        f"{result['model']} (GGUF): our engine and transformers' own GGUF load give identical greedy "
+        f"{result['tokens']}-token outputs on {result['identical']} of {result['n']} BFCL prompts; the last prompt "
+        f"token's logits differ by at most {result['max_abs_logit_diff_last_prompt_token']:.1e}."
+    )
+    return _block(claim, _table(["item", "identical", "first divergence"], rows))
+
+
+def cache_bytes(root: Path) -> str:
+    result = load_json(root, "results/cache_bytes.json")
+    args = result["args"]
+    rows = [[f"{r['budget']:g}", f"{r['bytes'] / 2**20:.1f}", f"{r['ratio_vs_full']:.4f}"] for r in result["rows"]]
+    claim = (
+        f"The KV cache the engine allocates for {args['batch']} prompts of {args['prompt_len']} tokens plus "
+        f"{args['new_tokens']} new ones ({args['model']}) is "
+        + " / ".join(r[2] for r in rows)
+        + " of full KV's bytes at b = "
+        + " / ".join(r[0] for r in rows)
+        + "."
+    )
+    return _block(claim, _table(["b", "MiB", "x full KV"], rows))
+
+
+TABLES: dict[str, Callable[[Path], str]] = {
+    "bfcl_sweep_25": bfcl_sweep_25,
+    "split_overlap": split_overlap,
+    "overlap_pask_dapq": overlap_pask_dapq,
+    "paired_b033": paired_b033,
+    "versus_full": versus_full,
+    "ablations_b033": ablations_b033,
+    "dev_compiler": dev_compiler,
+    "calibration_stats": calibration_stats,
+    "calibration_own16_task_error": calibration_own16_task_error,
+    "shipped_policy": shipped_policy,
+    "serving_cpu_2k": serving_cpu_2k,
+    "serving_cpu_bfcl": serving_cpu_bfcl,
+    "bench_decode": bench_decode,
+    "bench_kernel": bench_kernel,
+    "real_parity": real_parity,
+    "cache_bytes": cache_bytes,
+}
+
+
+# ---- the document ---------------------------------------------------------------------------------------------------
+
+
+def table_blocks(doc: str) -> dict[str, str]:
+    """NAME -> the text between a block's markers, checked: every opening marker closed, names known and unique."""
+    blocks = {}
+    for match in BLOCK.finditer(doc):
+        name = match.group(1)
+        if name not in TABLES:
+            raise ReportError(f"unknown table {name!r}; known: {', '.join(TABLES)}")
+        if name in blocks:
+            raise ReportError(f"table {name!r} appears twice")
+        blocks[name] = match.group(2)
+    if len(MARKER_LINE.findall(doc)) != 2 * len(blocks):
+        raise ReportError(f"unbalanced or malformed table markers (each block: `<!-- table:NAME -->` ... `{CLOSING}`)")
+    return blocks
+
+
+def render_tables(doc: str, root: Path) -> str:
+    """`doc` with every table block rewritten from its results files; the text outside the blocks is kept."""
+    table_blocks(doc)
+    return BLOCK.sub(lambda m: f"<!-- table:{m.group(1)} -->\n{TABLES[m.group(1)](root)}\n{CLOSING}", doc)
+
+
+def stale_tables(doc: str, root: Path) -> list[str]:
+    """Names of the blocks whose text differs from what their files give, then of the known tables `doc` lacks."""
+    blocks = table_blocks(doc)
+    stale = [name for name, text in blocks.items() if text != TABLES[name](root) + "\n"]
+    return stale + [f"{name} (missing)" for name in TABLES if name not in blocks]

@@ -1,0 +1,266 @@
+"""One request builder: an OpenAI chat-completions body -> prompt text, token ids, prompt roles and a grammar.
+
+Every entry point goes through it (the `LLM` API, `pask-jax run`, BFCL evaluation, calibration, benchmarks):
+
+    body (dict) --parse_request--> ChatRequest --RequestBuilder.prepare--> PreparedRequest
+                                                 (chat template, tokenizer, prompt roles, compiled grammar)
+    BFCL item   --RequestBuilder.prepare_bfcl--> PreparedRequest (BFCL's fixed prompt, its dialect translated)
+
+`parse_request` needs no tokenizer or model, so a batch's bad lines are found before anything is loaded.
+What a request may ask (`CHAT_FIELDS`): messages, tools, tool_choice ("auto" | "required" | "none" | a named function),
+parallel_tool_calls, response_format (text | json_object | json_schema), max_tokens / max_completion_tokens,
+temperature, top_p, seed, stop. Fields we cannot honour (`REFUSED_FIELDS`: n > 1, streaming, log-probabilities,
+penalties, logit_bias, audio) are an error naming them; other unknown fields are ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from pask_jax.models.chat_template import ChatTemplate, bfcl_prompt, bfcl_python_functions
+from pask_jax.models.tokenizer import Tokenizer
+from pask_jax.structure import CompiledGrammar, bfcl_function, compile_grammar, compile_json_grammar, parse_tools
+from pask_jax.structure.prompt_roles import prompt_roles
+
+DEFAULT_MAX_TOKENS = 256
+CHAT_FIELDS = frozenset(
+    {
+        "messages",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+    }
+)
+IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options"})
+# field -> the value we can honour (anything else is refused)
+REFUSED_FIELDS = {
+    "n": 1,
+    "stream": False,
+    "logprobs": False,
+    "top_logprobs": None,
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logit_bias": None,
+    "audio": None,
+    "modalities": None,
+    "prediction": None,
+}
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class RequestError(ValueError):
+    """A request we cannot run; the message names the field and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """A validated chat-completions request (tools normalized to function dicts with JSON Schema parameters)."""
+
+    messages: tuple[dict, ...]
+    tools: tuple[dict, ...] = ()  # {"name", "description", "parameters"}
+    tool_choice: str = "auto"  # "auto" | "required" | "none" (a named function: "required" over that one tool)
+    forced_tool: str | None = None
+    parallel_tool_calls: bool = True
+    response_schema: dict | None = None  # json_schema's schema
+    response_json: bool = False  # response_format json_object or json_schema
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    @property
+    def constrained(self) -> bool:
+        """Whether decoding follows a grammar (tool calls or a JSON response)."""
+        return bool(self.tools and self.tool_choice != "none") or self.response_json
+
+
+def _number(body: dict, key: str, default, kind, low=None, high=None):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise RequestError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise RequestError(f"{key}={value} is outside [{low}, {high}]")
+    return kind(value)
+
+
+def _messages(raw: Any) -> tuple[dict, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, message in enumerate(raw):
+        if not isinstance(message, dict) or message.get("role") not in MESSAGE_ROLES:
+            raise RequestError(f"messages[{i}] needs a role among {', '.join(MESSAGE_ROLES)}")
+        message = dict(message)
+        if message["role"] == "developer":  # OpenAI's newer name for the system message
+            message["role"] = "system"
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts are supported")
+            message["content"] = "".join(p.get("text", "") for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string, a list of text parts or null")
+        if message.get("content") is None and not message.get("tool_calls"):
+            raise RequestError(f"messages[{i}] has neither content nor tool_calls")
+        for j, call in enumerate(message.get("tool_calls") or ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise RequestError(f"messages[{i}].tool_calls[{j}] needs function.name")
+            if isinstance(function.get("arguments"), str):
+                try:
+                    json.loads(function["arguments"])
+                except json.JSONDecodeError as e:
+                    raise RequestError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}") from None
+        out.append(message)
+    return tuple(out)
+
+
+def _tool_choice(raw: Any, tools: tuple[dict, ...]) -> tuple[str, str | None]:
+    if raw is None:
+        return ("auto" if tools else "none"), None
+    if raw in ("auto", "required", "none"):
+        if raw == "required" and not tools:
+            raise RequestError("tool_choice 'required' needs tools")
+        return raw, None
+    name = raw.get("function", {}).get("name") if isinstance(raw, dict) and raw.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise RequestError(f"tool_choice must be auto, required, none or a named function, got {raw!r}")
+    if name not in {t["name"] for t in tools}:
+        raise RequestError(f"tool_choice names {name!r}, which is not among the tools")
+    return "required", name
+
+
+def _response_format(raw: Any) -> tuple[bool, dict | None]:
+    if raw is None or raw == {"type": "text"}:
+        return False, None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "json_object":
+        return True, None
+    if kind == "json_schema":
+        schema = (raw.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise RequestError("response_format json_schema needs json_schema.schema (a JSON Schema object)")
+        return True, schema
+    raise RequestError(f"response_format must be text, json_object or json_schema, got {raw!r}")
+
+
+def parse_request(body: Any, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ChatRequest:
+    """Validate an OpenAI chat-completions body -> ChatRequest (RequestError naming the problem)."""
+    if not isinstance(body, dict):
+        raise RequestError(f"a request body must be a JSON object, got {type(body).__name__}")
+    for key, honoured in REFUSED_FIELDS.items():
+        if key in body and body[key] not in (honoured, None):
+            raise RequestError(f"{key}={body[key]!r} is not supported (only {honoured!r})")
+    unknown = sorted(set(body) - CHAT_FIELDS - IGNORED_FIELDS - set(REFUSED_FIELDS))
+    if unknown:
+        warnings.warn(f"ignoring unknown request field(s): {', '.join(unknown)}", stacklevel=2)
+    try:
+        tools = tuple(parse_tools(body.get("tools") or []))
+    except ValueError as e:
+        raise RequestError(f"tools: {e}") from None
+    tool_choice, forced = _tool_choice(body.get("tool_choice"), tools)
+    response_json, response_schema = _response_format(body.get("response_format"))
+    if response_json and tools and tool_choice != "none":
+        raise RequestError("response_format json and tool calls cannot both constrain one answer: set tool_choice none")
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise RequestError("stop must be a non-empty string or a list of up to 4 of them")
+    if not isinstance(body.get("parallel_tool_calls", True), bool):
+        raise RequestError("parallel_tool_calls must be true or false")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    return ChatRequest(
+        messages=_messages(body.get("messages")),
+        tools=tools,
+        tool_choice=tool_choice,
+        forced_tool=forced,
+        parallel_tool_calls=body.get("parallel_tool_calls", True),
+        response_schema=response_schema,
+        response_json=response_json,
+        max_tokens=_number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, int, 1),
+        temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, float, 1e-6, 1.0),
+        seed=_number(body, "seed", 0, int),
+        stop=stop,
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PreparedRequest:
+    """What the engine needs for one request."""
+
+    request: ChatRequest
+    text: str  # the rendered prompt, ending with the assistant turn's header
+    ids: list[int]
+    roles: list[int]  # one role id per prompt token
+    grammar: CompiledGrammar | None  # None: free text
+
+
+class RequestBuilder:
+    """Renders, tokenizes, labels and compiles requests for one tokenizer and chat template.
+
+    `max_context`: prompt + max_tokens must fit (RequestError otherwise, before any device work).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None, *, max_context: int | None = None):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.max_context = max_context
+
+    def _check_length(self, ids: Sequence[int], max_tokens: int) -> None:
+        if self.max_context is not None and len(ids) + max_tokens > self.max_context:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; with max_tokens={max_tokens} it exceeds the model's context of "
+                f"{self.max_context} tokens"
+            )
+
+    def grammar(self, request: ChatRequest) -> CompiledGrammar | None:
+        if request.response_json:
+            return compile_json_grammar(request.response_schema, self.tokenizer)
+        if not request.tools or request.tool_choice == "none":
+            return None
+        tools = [t for t in request.tools if request.forced_tool in (None, t["name"])]
+        return compile_grammar(
+            tools, self.tokenizer, tool_choice=request.tool_choice, parallel=request.parallel_tool_calls
+        )
+
+    def prepare(self, request: ChatRequest) -> PreparedRequest:
+        """Render with the checkpoint's chat template, tokenize, label prompt roles, compile the grammar."""
+        if self.template is None:
+            raise RequestError("this model ships no chat template: give the checkpoint's tokenizer_config.json one")
+        messages = list(request.messages)
+        tools = [{"type": "function", "function": t} for t in request.tools] or None
+        text = self.template.render(messages, tools)
+        ids = self.tokenizer.encode(text)
+        self._check_length(ids, request.max_tokens)
+        roles = prompt_roles(text, self.tokenizer, messages, tools)
+        return PreparedRequest(request, text, ids, roles, self.grammar(request))
+
+    def prepare_bfcl(self, item: dict, *, max_tokens: int = DEFAULT_MAX_TOKENS, framing: str = "tool_call"):
+        """A BFCL item through BFCL's own fixed prompt (parity with its Qwen FC handler); calls required."""
+        functions = bfcl_python_functions(item["function"])
+        text = bfcl_prompt(item)
+        ids = self.tokenizer.encode(text)
+        self._check_length(ids, max_tokens)
+        messages = item["question"][0]
+        roles = prompt_roles(text, self.tokenizer, messages, functions)
+        tools = tuple(bfcl_function(f) for f in functions)
+        request = ChatRequest(
+            messages=tuple(messages), tools=tools, tool_choice="required", max_tokens=max_tokens, temperature=0.0
+        )
+        grammar = compile_grammar(list(tools), self.tokenizer, tool_choice="required", framing=framing)
+        return PreparedRequest(request, text, ids, roles, grammar)

@@ -1,0 +1,154 @@
+"""The host side of constrained decoding: packed token masks before each step, token roles after it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+from outlines_core import Guide
+
+from pask_jax.structure.grammar import CompiledGrammar
+from pask_jax.structure.roles import Role
+
+
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """What the engine's decode loop asks of a constraint, once per step for the whole batch."""
+
+    def mask(self) -> np.ndarray:
+        """i32[B, ceil(V/32)] packed bits: bit j of word w allows token 32w+j."""
+        ...
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed the sampled tokens i32[B] -> their role ids i32[B] (stored with the cache entries)."""
+        ...
+
+
+def _bits(tokens: Sequence[int], words: int) -> np.ndarray:
+    """i32[words]: the packed mask allowing exactly ``tokens``."""
+    row = np.zeros(words, np.uint32)
+    for token in tokens:
+        row[token >> 5] |= np.uint32(1 << (token & 31))
+    return row.view(np.int32)
+
+
+class GrammarConstraint:
+    """One outlines-core Guide per sequence: packed token masks before each step, token roles after it.
+
+    A ``TokenConstraint``. Rows may have different grammars. Each token goes through ``CompiledGrammar.step`` (the
+    same transition ``CompiledGrammar.walk`` follows), the Guide follows to write the next mask. Right after a
+    parallel-call separator a row may take ``<tool_call>`` (the restarted guide) or the end of turn (the model often
+    writes "\\n" before <|im_end|>). A row whose turn has ended is masked to the tokenizer's EOS ids and accepts any
+    further token without error (the engine keeps stepping finished rows); those tokens get END_OF_TURN (an EOS id)
+    or FREE_TEXT. ``mask_s`` / ``advance_s`` / ``steps`` count host seconds, for the parser time per step.
+    """
+
+    def __init__(self, grammars: Sequence[CompiledGrammar], vocab_size: int):
+        if not grammars:
+            raise ValueError("GrammarConstraint needs one compiled grammar per sequence, got none")
+        for g in grammars:
+            if vocab_size < g.vocab.size:
+                raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {g.vocab.size} token ids")
+        self.grammars = list(grammars)
+        self.vocab_size = vocab_size
+        self.words = -(-vocab_size // 32)
+        self.guides = [Guide(g.index) for g in self.grammars]
+        self.states = [g.initial_state for g in self.grammars]
+        self.finished = np.zeros(len(self.grammars), bool)
+        self.between_calls = np.zeros(len(self.grammars), bool)
+        self.mask_s = 0.0
+        self.advance_s = 0.0
+        self.steps = 0
+        self._stop_rows = [_bits(g.vocab.stop_ids, self.words) for g in self.grammars]
+        # between calls (only where <tool_call> is atomic): another call or the end
+        self._between_rows = [_bits([g.vocab.end_of_turn_id, g.vocab.call_open_id], self.words) for g in self.grammars]
+
+    @property
+    def batch(self) -> int:
+        return len(self.guides)
+
+    def mask(self) -> np.ndarray:
+        """i32[B, ceil(V/32)]: bit j of word w allows token 32w+j (written by ``Guide.write_mask_into``)."""
+        start = time.perf_counter()
+        out = np.zeros((self.batch, self.words), np.int32)
+        for i, (grammar, guide) in enumerate(zip(self.grammars, self.guides, strict=True)):
+            if self.finished[i]:
+                out[i] = self._stop_rows[i]
+            elif self.between_calls[i]:  # set only where call_open_id exists
+                out[i] = self._between_rows[i]
+            else:  # zero-fills and sets the words of the tokenizer's ids; the model's padding ids stay 0
+                guide.write_mask_into(out[i].ctypes.data, -(-grammar.vocab.size // 32), 4)
+        self.mask_s += time.perf_counter() - start
+        return out
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed each row its sampled token: -> i32[B] roles (looked up by the (before, after) state transition)."""
+        start = time.perf_counter()
+        tokens = np.asarray(tokens).reshape(-1)
+        if tokens.shape[0] != self.batch:
+            raise ValueError(f"advance got {tokens.shape[0]} tokens for a batch of {self.batch}")
+        roles = np.empty(self.batch, np.int32)
+        for i, (grammar, guide) in enumerate(zip(self.grammars, self.guides, strict=True)):
+            token = int(tokens[i])
+            if self.finished[i]:
+                roles[i] = Role.END_OF_TURN if token in grammar.vocab.stop_ids else Role.FREE_TEXT
+                continue
+            state = self.states[i]
+            step = grammar.step(state, bool(self.between_calls[i]), token)
+            if step is None:
+                raw = grammar.vocab.token_bytes[token] if 0 <= token < grammar.vocab.size else b"?"
+                raise ValueError(
+                    f"row {i}: token {token} ({raw!r}) is not allowed by the grammar in state {state} (after "
+                    f"{grammar.witnesses.get(state, b'?')[-60:]!r}); was the mask applied to the logits?"
+                )
+            roles[i] = step.role
+            self.states[i], self.finished[i], self.between_calls[i] = step.state, step.ended, step.between_calls
+            if step.between_calls:
+                guide.reset()  # the separator after a parallel call: the next call starts afresh
+            elif not step.ended:
+                guide.advance(token, return_tokens=False)
+        self.advance_s += time.perf_counter() - start
+        self.steps += 1
+        return roles
+
+    def timing(self) -> dict[str, float]:
+        """Host seconds spent in mask() and advance(), in total and per step."""
+        steps = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "mask_s": self.mask_s,
+            "advance_s": self.advance_s,
+            "parser_s_per_step": (self.mask_s + self.advance_s) / steps,
+        }
+
+
+class FreeTextConstraint:
+    """Unconstrained text as a ``TokenConstraint``: any of the tokenizer's ids until an EOS id, then only EOS ids.
+
+    Generated tokens get FREE_TEXT (END_OF_TURN for an EOS id), so structure-aware methods see what they are; the
+    model's padding ids past the tokenizer's vocabulary are never allowed.
+    """
+
+    def __init__(self, batch: int, vocab_size: int, tokenizer_size: int, stop_ids: Sequence[int]):
+        if not stop_ids:
+            raise ValueError("FreeTextConstraint needs the tokenizer's EOS ids to end a turn")
+        if tokenizer_size > vocab_size:
+            raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {tokenizer_size} token ids")
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        words = -(-vocab_size // 32)
+        self._open = _bits(range(tokenizer_size), words)
+        self._stop = _bits(sorted(self.stop_ids), words)
+        self.finished = np.zeros(batch, bool)
+
+    def mask(self) -> np.ndarray:
+        return np.where(self.finished[:, None], self._stop[None], self._open[None])
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        tokens = np.asarray(tokens).reshape(-1)
+        if tokens.shape[0] != self.finished.shape[0]:
+            raise ValueError(f"advance got {tokens.shape[0]} tokens for a batch of {self.finished.shape[0]}")
+        stop = np.isin(tokens, list(self.stop_ids))
+        self.finished |= stop
+        return np.where(stop, Role.END_OF_TURN, Role.FREE_TEXT).astype(np.int32)

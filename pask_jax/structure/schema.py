@@ -1,0 +1,537 @@
+"""Tools and schemas: OpenAI tool lists and BFCL's function dialect -> the JSON Schema the grammar enforces.
+
+A *function dict* is ``{"name": str, "description": str, "parameters": <JSON Schema of an object>}``:
+``parse_tools`` makes them from an OpenAI ``tools`` list, ``bfcl_function`` from one BFCL function (whose dialect
+has types dict / float / tuple / any and enums on arrays). ``call_schema`` gives the schema of one call object
+``{"name": <its name>, "arguments": {...}}`` with the parameters rewritten by ``enforced_schema`` into the subset
+outlines-core 0.2.14 compiles faithfully: ``$ref`` inlined, type lists split into ``anyOf``, defaults made explicit,
+annotations dropped. That rewritten schema is what the grammar allows, and the compile cache's key.
+
+Which keywords do what is the table ``SCHEMA_KEYWORDS`` (keyword -> (status, note)): ENFORCED keywords are
+compiled into the grammar; LOOSENED ones are dropped (annotations such as ``description``, and constraints
+outlines-core does not enforce, such as ``minimum``: the grammar then allows values the schema refuses, so check
+them after parsing); REFUSED ones, and keywords absent from the table, raise ``GrammarError`` naming the keyword,
+where it is and the function. Rules where JSON Schema leaves a choice:
+
+- Keys are written in the order ``properties`` declares them (outlines-core's order); optional ones may be left out.
+- ``additionalProperties`` absent means false when ``properties`` is declared (no keys but the declared ones; OpenAI's
+  strict mode requires false, and an open object multiplies the automaton). With ``properties`` declared, ``true``
+  or a schema also generates the declared keys only (a narrowing: every output is still valid). An object without
+  ``properties`` is free-form unless ``additionalProperties`` is false (then ``{}``) or a schema (the values' schema).
+- Values without a schema are shallow (each container level multiplies the automaton): ``{}`` / ``true`` is a
+  scalar, a list of scalars or an object of scalars (``ANY_VALUE``); the values of a free-form object and the items
+  of an array without ``items`` are scalars or lists of scalars (``FREE_DICT_VALUE``, ``FREE_ITEM``).
+- ``$ref`` (local: ``#/$defs/...``, ``#/definitions/...``, any pointer into the same schema) is inlined; a recursive
+  reference is unrolled ``MAX_REF_DEPTH`` (3) times, and past that a value that needs another level is not
+  generated: an optional property is left out, an array stays empty, an ``anyOf`` branch is dropped (a narrowing;
+  ``GrammarError`` when nothing is left).
+- A type without a ``type`` keyword is inferred from type-specific keywords (``properties`` -> object, ``items`` ->
+  array, ``pattern`` -> string, ...); ``enum`` / ``const`` values of another type than the declared one are dropped.
+- ``$ref``, ``anyOf``, ``oneOf`` and ``allOf`` (of one schema) take no constraining sibling keywords; ``enum`` /
+  ``const`` none but ``type``.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+
+class GrammarError(ValueError):
+    """A tool list, schema or tokenizer cannot be turned into a grammar; the message names the cause and the fix."""
+
+
+ENFORCED, LOOSENED, REFUSED = "enforced", "loosened", "refused"
+MAX_REF_DEPTH = 3  # how many times one recursive $ref is unrolled
+ENFORCED_FORMATS = ("date", "date-time", "uuid")
+_ANNOTATION = (LOOSENED, "an annotation: nothing to enforce")
+_NOT_ENFORCED = (LOOSENED, "not enforced by outlines-core 0.2.14: the grammar allows any number; check after parsing")
+SCHEMA_KEYWORDS: dict[str, tuple[str, str]] = {
+    "type": (ENFORCED, 'a type name or a list of them ("null" included)'),
+    "enum": (ENFORCED, "values of any JSON type; values of another type than a declared 'type' are dropped"),
+    "const": (ENFORCED, "a value of any JSON type"),
+    "properties": (ENFORCED, "keys written in declaration order"),
+    "required": (ENFORCED, "names among 'properties'"),
+    "additionalProperties": (ENFORCED, "absent = false when 'properties' is declared (see the module docstring)"),
+    "items": (ENFORCED, "one schema for every item; absent = shallow values"),
+    "minItems": (ENFORCED, ""),
+    "maxItems": (ENFORCED, ""),
+    "minLength": (ENFORCED, "not together with 'pattern' (outlines-core would drop the pattern)"),
+    "maxLength": (ENFORCED, "not together with 'pattern' (outlines-core would drop the pattern)"),
+    "pattern": (
+        ENFORCED,
+        "matched, anchored at both ends, against the string's JSON text between the quotes: a pattern that admits "
+        '" or \\ can produce invalid JSON',
+    ),
+    "format": (
+        ENFORCED,
+        f"only {', '.join(ENFORCED_FORMATS)} (the shape of each field, not the calendar; date-time's zone is "
+        "optional 'Z'); other formats are loosened: outlines-core 0.2.14 has no pattern for most, and its patterns "
+        'for time, email and uri admit " or a lone \\ inside the string',
+    ),
+    "anyOf": (ENFORCED, "no constraining sibling keywords"),
+    "allOf": (ENFORCED, "of exactly one schema (as pydantic writes a $ref with a description); no siblings"),
+    "$ref": (ENFORCED, f"local references, inlined; recursion unrolled {MAX_REF_DEPTH} times; no siblings"),
+    "$defs": (ENFORCED, "where $ref looks"),
+    "definitions": (ENFORCED, "where $ref looks"),
+    "oneOf": (LOOSENED, "compiled as anyOf: a value matching several branches is accepted"),
+    "minimum": _NOT_ENFORCED,
+    "maximum": _NOT_ENFORCED,
+    "exclusiveMinimum": _NOT_ENFORCED,
+    "exclusiveMaximum": _NOT_ENFORCED,
+    "multipleOf": _NOT_ENFORCED,
+    "uniqueItems": (LOOSENED, "not enforced: repeated items are not prevented"),
+    "title": _ANNOTATION,
+    "description": _ANNOTATION,
+    "default": _ANNOTATION,
+    "examples": _ANNOTATION,
+    "deprecated": _ANNOTATION,
+    "readOnly": _ANNOTATION,
+    "writeOnly": _ANNOTATION,
+    "$comment": _ANNOTATION,
+    "$schema": _ANNOTATION,
+    "$id": _ANNOTATION,
+    "contentEncoding": _ANNOTATION,
+    "contentMediaType": _ANNOTATION,
+    "not": (REFUSED, "negation has no regular-expression form here"),
+    "if": (REFUSED, "conditionals are not supported"),
+    "then": (REFUSED, "conditionals are not supported"),
+    "else": (REFUSED, "conditionals are not supported"),
+    "prefixItems": (REFUSED, "tuples are not supported; use 'items'"),
+    "additionalItems": (REFUSED, "tuples are not supported; use 'items'"),
+    "contains": (REFUSED, "not supported"),
+    "minContains": (REFUSED, "not supported"),
+    "maxContains": (REFUSED, "not supported"),
+    "patternProperties": (REFUSED, "not supported; declare 'properties' or an 'additionalProperties' schema"),
+    "propertyNames": (REFUSED, "not supported"),
+    "minProperties": (REFUSED, "not supported"),
+    "maxProperties": (REFUSED, "not supported"),
+    "dependentRequired": (REFUSED, "not supported"),
+    "dependentSchemas": (REFUSED, "not supported"),
+    "dependencies": (REFUSED, "not supported"),
+    "unevaluatedProperties": (REFUSED, "not supported; 'additionalProperties' is"),
+    "unevaluatedItems": (REFUSED, "not supported"),
+    "$anchor": (REFUSED, "reference by JSON pointer ('#/$defs/name') instead"),
+    "$dynamicRef": (REFUSED, "not supported"),
+    "$dynamicAnchor": (REFUSED, "not supported"),
+}
+_DROPPED = frozenset(k for k, (status, _) in SCHEMA_KEYWORDS.items() if status == LOOSENED) - {"oneOf"}
+_COMBINATORS = ("$ref", "anyOf", "oneOf", "allOf")
+_TYPE_KEYWORDS = {  # keywords that apply to one type only: a schema without "type" gets the types they name
+    "object": ("properties", "required", "additionalProperties"),
+    "array": ("items", "minItems", "maxItems"),
+    "string": ("minLength", "maxLength", "pattern", "format"),
+}
+JSON_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
+
+_SCALAR = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"}]}
+_FLAT = {"anyOf": [_SCALAR, {"type": "array", "items": _SCALAR}]}
+# Values without a schema are kept shallow: every container level multiplies the automaton. BFCL's golds need no
+# more (its "any" values are scalars; free-form dicts map keys to scalars or lists of scalars). outlines-core turns the
+# empty schema {} into an unparenthesised alternation that breaks the surrounding regex, so "any" is spelled out.
+ANY_VALUE = {
+    "anyOf": [_SCALAR, {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]
+}
+FREE_DICT_VALUE = _FLAT  # values of an object without properties
+FREE_ITEM = _FLAT  # items of an array without items
+JSON_OBJECT = {"type": "object"}  # response_format json_object: a free-form object (values FREE_DICT_VALUE)
+_CLOSED_EMPTY = {"type": "object", "properties": {}, "required": [], "additionalProperties": False}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSON Schema -> the schema the grammar enforces
+
+
+class _Rewriter:
+    """One pass over one root schema; ``where`` ("function 'f'", "response_format") names it in errors."""
+
+    def __init__(self, root: Any, where: str):
+        self.root, self.where = root, where
+        self.unrolled: collections.Counter[str] = collections.Counter()  # $ref -> times on the current path
+
+    def error(self, path: str, message: str) -> GrammarError:
+        return GrammarError(f"{self.where}, schema at {path!r}: {message}")
+
+    def node(self, schema: Any, path: str) -> dict | None:
+        """One schema -> its enforced form, or None when no value is generated (a cut recursion, ``false``)."""
+        if schema is True:
+            return copy.deepcopy(ANY_VALUE)
+        if schema is False:
+            return None
+        if not isinstance(schema, dict):
+            raise self.error(path, f"a schema must be an object or a boolean, got {type(schema).__name__}")
+        for key in schema:
+            status = SCHEMA_KEYWORDS.get(key)
+            if status is None:
+                raise self.error(path, f"unknown keyword {key!r}; the supported ones are in schema.SCHEMA_KEYWORDS")
+            if status[0] == REFUSED:
+                raise self.error(path, f"keyword {key!r} is refused: {status[1]}")
+        kept = [k for k in schema if k not in _DROPPED and k not in ("$defs", "definitions")]
+        combinators = [k for k in _COMBINATORS if k in schema]
+        if combinators:
+            if len(kept) > 1:
+                raise self.error(
+                    path, f"keyword {combinators[0]!r} with sibling keywords {[k for k in kept if k != combinators[0]]}"
+                    "; move them into the referenced schema or the branches"
+                )  # fmt: skip
+            return self.combinator(combinators[0], schema[combinators[0]], path)
+        if "enum" in schema or "const" in schema:
+            return self.values(schema, kept, path)
+        types = schema.get("type")
+        if types is None:
+            types = [t for t, keys in _TYPE_KEYWORDS.items() if any(k in schema for k in keys)]
+            if not types:
+                return copy.deepcopy(ANY_VALUE)
+        types = self.type_names(types, path)
+        branches = [b for b in (self.typed(t, schema, path) for t in types) if b is not None]
+        if not branches:
+            return None
+        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+    def type_names(self, types: Any, path: str) -> list[str]:
+        names = [types] if isinstance(types, str) else types
+        if not isinstance(names, list) or not names or len(set(map(str, names))) != len(names):
+            raise self.error(path, f"'type' must be a type name or a list of distinct ones, got {types!r}")
+        for name in names:
+            if name not in JSON_TYPES:
+                hint = " (BFCL functions go through bfcl_function)" if name in _BFCL_TYPES else ""
+                raise self.error(path, f"unknown type {name!r}; JSON Schema's are {list(JSON_TYPES)}{hint}")
+        return names
+
+    def combinator(self, keyword: str, value: Any, path: str) -> dict | None:
+        if keyword == "$ref":
+            return self.ref(value, path)
+        if not isinstance(value, list) or not value:
+            raise self.error(path, f"{keyword!r} must be a non-empty list of schemas")
+        if keyword == "allOf":
+            if len(value) != 1:
+                raise self.error(path, "'allOf' of several schemas is refused: merge them into one schema")
+            return self.node(value[0], f"{path}/allOf/0")
+        branches = []
+        for i, branch in enumerate(value):
+            out = self.node(branch, f"{path}/{keyword}/{i}")
+            if out is not None:
+                branches.extend(out["anyOf"] if list(out) == ["anyOf"] else [out])
+        if not branches:
+            return None
+        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+    def ref(self, ref: Any, path: str) -> dict | None:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise self.error(path, f"$ref {ref!r}: only local references ('#/$defs/name') are supported")
+        if self.unrolled[ref] >= MAX_REF_DEPTH:
+            return None  # the recursion is cut here
+        target = self.root
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                raise self.error(path, f"$ref {ref!r} points at nothing ({part!r} is missing)")
+        self.unrolled[ref] += 1
+        try:
+            return self.node(target, ref)
+        finally:
+            self.unrolled[ref] -= 1
+
+    def values(self, schema: dict, kept: list[str], path: str) -> dict:
+        keyword = "enum" if "enum" in schema else "const"
+        others = [k for k in kept if k not in (keyword, "type")]
+        if others:
+            raise self.error(path, f"{keyword!r} with {others}: the {keyword} alone decides; remove {others}")
+        if keyword == "enum" and (not isinstance(schema["enum"], list) or not schema["enum"]):
+            raise self.error(path, "'enum' must be a non-empty list of values")
+        values = list(schema["enum"]) if keyword == "enum" else [schema["const"]]
+        if "type" in schema:
+            types = self.type_names(schema["type"], path)
+            values = [v for v in values if any(_has_type(v, t) for t in types)]
+            if not values:
+                raise self.error(path, f"no {keyword} value has the declared type {schema['type']!r}")
+        return {"enum": values} if keyword == "enum" else {"const": values[0]}
+
+    def typed(self, kind: str, schema: dict, path: str) -> dict | None:
+        """The part of ``schema`` that applies to values of type ``kind``."""
+        if kind == "string":
+            return self.string(schema, path)
+        if kind == "array":
+            return self.array(schema, path)
+        if kind == "object":
+            return self.object(schema, path)
+        return {"type": kind}
+
+    def string(self, schema: dict, path: str) -> dict:
+        out: dict[str, Any] = {"type": "string"}
+        for key in ("minLength", "maxLength"):
+            if key in schema:
+                out[key] = self.count(schema, key, path)
+        if out.get("minLength", 0) > out.get("maxLength", out.get("minLength", 0)):
+            raise self.error(path, "'minLength' is larger than 'maxLength'")
+        if "pattern" in schema:
+            pattern = schema["pattern"]
+            if not isinstance(pattern, str):
+                raise self.error(path, "'pattern' must be a string")
+            if len(out) > 1:
+                raise self.error(path, "'pattern' with 'minLength' / 'maxLength': fold the length into the pattern")
+            # The grammar anchors the pattern anyway; outlines-core pastes it between the quotes as it is, so it
+            # is grouped (an alternation would otherwise take a quote into one branch).
+            pattern = pattern[1:] if pattern.startswith("^") else pattern
+            pattern = pattern[:-1] if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
+            out["pattern"] = f"(?:{pattern})"
+        fmt = schema.get("format")
+        if fmt in ENFORCED_FORMATS:
+            if len(out) > 1:
+                raise self.error(path, f"'format' {fmt!r} with {[k for k in out if k != 'type']}: choose one")
+            out["format"] = fmt
+        return out
+
+    def array(self, schema: dict, path: str) -> dict | None:
+        out: dict[str, Any] = {"type": "array"}
+        for key in ("minItems", "maxItems"):
+            if key in schema:
+                out[key] = self.count(schema, key, path)
+        if out.get("minItems", 0) > out.get("maxItems", out.get("minItems", 0)):
+            raise self.error(path, "'minItems' is larger than 'maxItems'")
+        if "items" not in schema:
+            out["items"] = copy.deepcopy(FREE_ITEM)
+            return out
+        if isinstance(schema["items"], list):
+            raise self.error(path, "'items' as a list (a tuple) is refused: give one schema for every item")
+        items = self.node(schema["items"], f"{path}/items")
+        if items is not None:
+            out["items"] = items
+            return out
+        if out.get("minItems", 0) > 0:
+            return None
+        return {"type": "array", "maxItems": 0}  # no item can be generated: the empty array
+
+    def object(self, schema: dict, path: str) -> dict | None:
+        properties, required = schema.get("properties"), schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise self.error(path, "'required' must be a list of property names")
+        extra = schema.get("additionalProperties", None if properties is None else False)
+        if not isinstance(extra, bool | dict | type(None)):
+            raise self.error(path, "'additionalProperties' must be a boolean or a schema")
+        if properties is None:
+            if required:
+                raise self.error(path, f"required {required} are not among its properties (it declares none)")
+            if extra is None or extra is True:
+                return {"type": "object", "additionalProperties": copy.deepcopy(FREE_DICT_VALUE)}
+            values = self.node(extra, f"{path}/additionalProperties") if extra is not False else None
+            if values is None:
+                return copy.deepcopy(_CLOSED_EMPTY)
+            return {"type": "object", "additionalProperties": values}
+        if not isinstance(properties, dict):
+            raise self.error(path, "'properties' must be an object mapping names to schemas")
+        unknown = [name for name in required if name not in properties]
+        if unknown:
+            raise self.error(path, f"required {unknown} are not among its properties {list(properties)}")
+        if isinstance(extra, dict):
+            self.node(extra, f"{path}/additionalProperties")  # checked, though only declared keys are generated
+        out = {}
+        for name, sub in properties.items():
+            value = self.node(sub, f"{path}/properties/{name}")
+            if value is None and name in required:
+                return None
+            if value is not None:
+                out[name] = value
+        return {"type": "object", "properties": out, "required": list(required), "additionalProperties": False}
+
+    def count(self, schema: dict, key: str, path: str) -> int:
+        value = schema[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self.error(path, f"{key!r} must be a non-negative integer, got {value!r}")
+        return value
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    """Whether a JSON value (as Python) has JSON Schema type ``kind`` (1.0 is an integer, True is not a number)."""
+    if isinstance(value, bool):
+        return kind == "boolean"
+    if isinstance(value, int | float):
+        return kind == "number" or (kind == "integer" and float(value).is_integer())
+    return {str: "string", type(None): "null", dict: "object", list: "array"}.get(type(value)) == kind
+
+
+def enforced_schema(schema: Any, where: str) -> dict:
+    """``schema`` rewritten into what the grammar compiles (see the module docstring); ``where`` names it in errors.
+
+    Raises GrammarError naming the keyword and its place for anything refused, malformed, or unsatisfiable."""
+    out = _Rewriter(schema, where).node(schema, "#")
+    if out is None:
+        raise GrammarError(f"{where}: no value satisfies the schema within {MAX_REF_DEPTH} levels of $ref recursion")
+    return out
+
+
+def call_schema(function: dict) -> dict:
+    """The JSON Schema of one call object ``{"name": <its name>, "arguments": {...}}`` the grammar enforces for a
+    function dict (from ``parse_tools`` or ``bfcl_function``); descriptions do not enter it."""
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise GrammarError(
+            "a function must be a dict with a string 'name' (OpenAI tools go through parse_tools, BFCL functions "
+            f"through bfcl_function), got {str(function)[:120]!r}"
+        )
+    name = function["name"]
+    arguments = enforced_schema(function.get("parameters", _CLOSED_EMPTY), f"function {name!r}")
+    if arguments.get("type") != "object":
+        raise GrammarError(f"function {name!r}: 'parameters' must be an object schema ({{'type': 'object', ...}})")
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tool lists
+
+
+def parse_tools(tools: Sequence[dict]) -> list[dict]:
+    """An OpenAI ``tools`` list -> function dicts ``{"name", "description", "parameters"}`` (copies).
+
+    Each tool is ``{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}`` or, for
+    convenience, the bare function dict. Absent parameters mean none (``{"type": "object", "properties": {}}``);
+    ``strict`` is accepted and changes nothing (the grammar always enforces the schema, as ``SCHEMA_KEYWORDS``
+    says). Raises GrammarError naming the tool (its index and name) for a malformed tool, a duplicate name, or a
+    schema keyword the grammar refuses."""
+    if isinstance(tools, str | bytes | dict) or not isinstance(tools, Sequence):
+        raise GrammarError(f"tools must be a list of tools, got {type(tools).__name__}")
+    functions: list[dict] = []
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise GrammarError(f"{where}: a tool must be an object, got {type(tool).__name__}")
+        function = tool
+        if "type" in tool:
+            if tool["type"] != "function":
+                raise GrammarError(f"{where}: type {tool['type']!r} is not supported; tools are of type 'function'")
+            function = tool.get("function")
+            if not isinstance(function, dict):
+                raise GrammarError(f"{where}: a 'function' tool needs a 'function' object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise GrammarError(f"{where}: a function needs a non-empty string 'name', got {name!r}")
+        where = f"{where} ({name!r})"
+        if name in seen:
+            raise GrammarError(f"{where}: the name is also tools[{seen[name]}]'s; function names must be unique")
+        seen[name] = i
+        description = function.get("description", "")
+        if not isinstance(description, str):
+            raise GrammarError(f"{where}: 'description' must be a string")
+        if not isinstance(function.get("strict", False), bool):
+            raise GrammarError(f"{where}: 'strict' must be a boolean")
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict) or parameters.get("type") != "object":
+            hint = " (BFCL functions go through bfcl_function)" if isinstance(parameters, dict) else ""
+            raise GrammarError(
+                f"{where}: 'parameters' must be a JSON Schema object ({{'type': 'object', 'properties': ...}}), "
+                f"got {str(parameters)[:80]!r}{hint}"
+            )
+        parsed = {"name": name, "description": description, "parameters": copy.deepcopy(parameters)}
+        call_schema(parsed)  # refuses what the grammar cannot enforce now, before any compile
+        functions.append(parsed)
+    return functions
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# BFCL's dialect
+
+
+_BFCL_TYPES = {  # BFCL (and JSON Schema) type name -> JSON Schema type
+    "string": "string",
+    "integer": "integer",
+    "float": "number",
+    "number": "number",
+    "boolean": "boolean",
+    "bool": "boolean",
+    "dict": "object",
+    "object": "object",
+    "array": "array",
+    "list": "array",
+    "tuple": "array",
+    "null": "null",
+}
+# Kept from a BFCL parameter spec. BFCL's "format" (e.g. "date") is advisory, as are "maximum" and "default";
+# ground truths do not always follow them, so they are dropped.
+_BFCL_KEPT = ("description", "pattern", "minLength", "maxLength", "minItems", "maxItems")
+
+
+def _bfcl_param(spec: Any, function: str, path: str, enums: bool) -> dict:
+    """One BFCL parameter spec -> JSON Schema; ``function`` / ``path`` ("a.b[]") name it in errors."""
+    where = f"function {function!r}, parameter {path!r}"
+    if not isinstance(spec, dict):
+        raise GrammarError(f"{where}: a parameter spec must be a dict, got {type(spec).__name__}; fix the tool list")
+    kind = spec.get("type", "any")
+    if "enum" in spec:
+        values = list(spec["enum"])
+        if not values:
+            raise GrammarError(f"{where}: its enum is empty, so no value is allowed; remove the enum or list values")
+        if enums and kind in ("array", "list", "tuple"):  # BFCL puts the items' enum on the array itself
+            return {"type": "array", "items": {"enum": values}}
+        if enums:  # the enum alone decides: BFCL has e.g. type "boolean" with enum ["True", "False", "dontcare"]
+            return {"enum": values}
+        spec = {k: v for k, v in spec.items() if k != "enum"}
+    if kind == "any":
+        return {}
+    if not isinstance(kind, str) or kind not in _BFCL_TYPES:
+        raise GrammarError(
+            f"{where}: unsupported type {kind!r}; use one of {sorted(_BFCL_TYPES)} or 'any' (BFCL's types are dict, "
+            "float, tuple, any, integer, string, boolean, array)"
+        )
+    out: dict[str, Any] = {"type": _BFCL_TYPES[kind]}
+    out.update((key, spec[key]) for key in _BFCL_KEPT if key in spec)
+    if out["type"] == "array" and spec.get("items") is not None:
+        out["items"] = _bfcl_param(spec["items"], function, f"{path}[]", enums)
+    elif out["type"] == "object" and "properties" in spec:  # without properties: a free-form dict
+        out.update(_bfcl_object(spec["properties"], spec.get("required", []), function, f"{path}.", enums))
+    return out
+
+
+def _bfcl_object(properties: Any, required: Any, function: str, prefix: str, enums: bool) -> dict:
+    """properties + required of an object whose parameters are named ``prefix + name`` in errors."""
+    where = f"function {function!r}" + (f", parameter {prefix[:-1]!r}" if prefix else "")
+    if not isinstance(properties, dict):
+        raise GrammarError(f"{where}: 'properties' must be a dict of parameter specs; fix the tool list")
+    if not isinstance(required, list):
+        raise GrammarError(f"{where}: 'required' must be a list of parameter names; fix the tool list")
+    unknown = [name for name in required if name not in properties]
+    if unknown:
+        raise GrammarError(f"{where}: required {unknown} are not among its properties {list(properties)}")
+    return {
+        "properties": {name: _bfcl_param(p, function, prefix + name, enums) for name, p in properties.items()},
+        "required": list(required),
+    }
+
+
+def bfcl_function(function: dict, *, enums: bool = True) -> dict:
+    """A BFCL function dict -> a function dict with standard JSON Schema parameters.
+
+    BFCL types map to JSON Schema: dict -> object (free-form if it has no properties), float -> number, tuple ->
+    array, any -> ``{}`` (any JSON value, shallow), integer / string / boolean / array kept; required arguments are
+    required, optional ones may be omitted, no others are allowed. Descriptions are kept (annotations); formats,
+    bounds and defaults are dropped (BFCL's golds do not always follow them). With ``enums`` (default) an enum
+    decides the values on its own (BFCL has type "boolean" with enum ["True", "False", "dontcare"]; an array's enum
+    is its items'); ``enums=False`` drops enums and keeps the types. Of BFCL's 2,351 golds (rendered canonically, in
+    schema key order) the default grammar refuses 21: 7 name a value outside their parameter's enum (accepted with
+    ``enums=False``), 14 give a value of another type than their schema declares (``true`` for a string, ``null``
+    for an optional string, a list for a string, ...) or are unsatisfiable under BFCL's checker anyway.
+    """
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise GrammarError(f"a function must be a dict with a string 'name', got {str(function)[:120]!r}")
+    name = function["name"]
+    parameters = function.get("parameters", {"type": "dict", "properties": {}})
+    if not isinstance(parameters, dict):
+        raise GrammarError(f"function {name!r}: 'parameters' must be a dict (a BFCL 'dict' schema); fix the tool list")
+    properties, required = parameters.get("properties", {}), parameters.get("required", [])
+    return {
+        "name": name,
+        "description": function.get("description", ""),
+        "parameters": {"type": "object", **_bfcl_object(properties, required, name, "", enums)},
+    }

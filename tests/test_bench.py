@@ -1,0 +1,330 @@
+"""The benchmarks (`pask_jax.bench`) on tiny random models: serving end to end, decode vs transformers, cache bytes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pask_jax.bench
+from pask_jax.bench import decode, machine, serving, workloads
+from pask_jax.engine import new_token_bucket, padded_batch
+from pask_jax.structure.roles import Role
+
+REPO = Path(__file__).resolve().parents[1]
+ARGS = [
+    "--model", "tiny",
+    "--methods", "full,pask,snapkv",
+    "--budgets", "0.33",
+    "--workloads", "bfcl",
+    "--memory-batch", "2",
+    "--max-batch", "8",
+    "--max-new-tokens", "8",
+    "--pool", "4",
+    "--repeats", "3",
+    "--sweep-budgets", "1.0,0.2",
+]  # fmt: skip
+PROMPT_BUCKET, NEW_BUCKET = 256, 64  # synthetic "bfcl" prompts are 64..255 tokens; 8 new tokens -> one 64 bucket
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("serving") / "serving.json"
+    returned = pask_jax.bench.main(["serving", *ARGS, "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["runs"] == json.loads(json.dumps(returned["runs"]))
+    assert out.with_suffix(".png").stat().st_size > 0 and "| bfcl | pask |" in out.with_suffix(".md").read_text()
+    return written
+
+
+@pytest.fixture(scope="module")
+def tiny_setup() -> serving.Setup:
+    return serving.load_setup(serving.BenchConfig(model="tiny"))
+
+
+def runs_by_method(result: dict) -> dict[str, dict]:
+    return {r["method"]: r for r in result["runs"]}
+
+
+def hand_cache_bytes(fraction: float, batch: int) -> int:
+    """Tiny model (2 layers -> 2 groups of 1 layer, K=2 KV heads, H=16, float32): K and V f32[C, H] per slot, then
+    pos / role / score / table (4 bytes each) per slot, a length per (row, head) and one overflow flag per group."""
+    capacity = min(math.ceil(round(fraction * (PROMPT_BUCKET + NEW_BUCKET), 6)), PROMPT_BUCKET + NEW_BUCKET) + 1
+    kv_heads, head_dim = 2, 16
+    per_group = batch * kv_heads * capacity * (2 * head_dim * 4 + 4 * 4) + batch * kv_heads * 4 + 1
+    return 2 * per_group
+
+
+# ---- serving -------------------------------------------------------------------------------------------------------
+
+
+def test_json_has_the_required_shape(result):
+    assert result["complete"] and result["model"] == "tiny"
+    assert result["command"].startswith("pask-jax bench serving --model tiny")
+    assert {"cpu", "cpu_count", "jax", "jax_backend", "devices"} <= set(result["machine"])
+    assert {(r["method"], r["budget"]) for r in result["runs"]} == {("full", 1.0), ("pask", 0.33), ("snapkv", 0.33)}
+    for run in result["runs"]:
+        for key in ("method", "budget", "workload", "batch", "tokens_per_s", "tpot_ms", "ttft_ms", "peak_memory_bytes"):
+            assert key in run, key
+        assert {"throughput", "tpot", "peak_memory"} <= set(run["ratio_vs_full"])
+        assert run["workload"] == "bfcl" and run["tokens_per_s"] > 0 and run["tpot_ms"] > 0 and run["ttft_ms"] > 0
+        assert run["tpot_p95_ms"] >= run["tpot_ms"] * 0.5 and run["peak_memory_bytes"] > 0
+        assert set(run["memory"]["xla"]) == {"prefill", "decode"}, run["memory"]["xla"]  # analysis ran on CPU
+        assert run["memory"]["peak_source"] == "xla_memory_analysis"
+        xla = run["memory"]["xla"]["decode"]
+        assert xla["peak"] == sum(xla[f] for f in serving.MEMORY_FIELDS) - 2 * xla["alias_size_in_bytes"]
+    assert result["workloads"]["bfcl"]["prompt_bucket"] == PROMPT_BUCKET
+
+
+def test_full_kv_ratios_are_one(result):
+    full = runs_by_method(result)["full"]
+    assert full["ratio_vs_full"] and all(v == pytest.approx(1.0) for v in full["ratio_vs_full"].values())
+    assert runs_by_method(result)["pask"]["ratio_vs_full"]["cache_bytes_per_sequence"] == pytest.approx(
+        hand_cache_bytes(0.33, 1) / hand_cache_bytes(1.0, 1), rel=1e-3
+    )
+
+
+def test_cache_bytes_match_a_hand_count(tiny_setup):
+    for method, budget in (("full", 1.0), ("snapkv", 0.33), ("pask", 0.2)):
+        engine = serving.bench_engine(tiny_setup, method, budget, serving.BenchConfig(model="tiny"))
+        for batch in (1, 2, 8):
+            shape = serving.rows_shape(engine, PROMPT_BUCKET, 8, batch)
+            assert engine.cache_bytes(shape) == hand_cache_bytes(budget, batch)
+
+
+def test_largest_batch_is_the_largest_fitting_power_of_two():
+    assert serving.largest_batch(lambda b: 100 * b + 1, 750) == 4  # 8 rows would take 801 bytes
+    assert serving.unpadded_fit(lambda b: 100 * b + 1, 750) == 7
+    assert serving.largest_batch(lambda b: 100 * b + 1, 801) == 8
+    assert serving.largest_batch(lambda b: 100 * b + 1, 50) == 0
+    assert serving.largest_batch(lambda b: 100 * b + 1, 10**9, ceiling=16) == 16
+    assert [padded_batch(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]  # what the engine allocates
+
+
+def test_batches_under_full_kvs_memory_match_the_hand_count(result):
+    limit = hand_cache_bytes(1.0, 2)  # Full KV at --memory-batch 2
+    runs = runs_by_method(result)
+    assert all(r["memory"]["limit_bytes"] == limit for r in result["runs"])
+    expected = max(b for b in (1, 2, 4, 8, 16) if hand_cache_bytes(0.33, b) <= limit)
+    assert expected == 4 and hand_cache_bytes(0.33, 8) > limit
+    assert (runs["full"]["fit_batch"], runs["full"]["batch"]) == (2, 2)
+    for method in ("pask", "snapkv"):
+        run = runs[method]
+        assert (run["fit_batch"], run["batch"], run["batch_capped"]) == (expected, expected, False)
+        per_row = hand_cache_bytes(0.33, 2) - hand_cache_bytes(0.33, 1)
+        assert run["fit_batch_unpadded"] == (limit - (hand_cache_bytes(0.33, 1) - per_row)) // per_row == 5
+        assert run["batch"] > runs["full"]["batch"] and run["memory"]["cache_bytes"] <= limit
+        assert run["memory"]["cache_bytes"] == hand_cache_bytes(0.33, expected)
+        assert run["kept_ratio_max"] <= 0.33 + 0.01  # the running cap, plus the one-entry slack
+
+
+def test_no_recompiles_after_warmup(result):
+    for run in result["runs"]:
+        assert run["recompiles_after_warmup"] == 0 and all(r["recompiles"] == 0 for r in run["repeats"])
+    assert all(p["recompiles_after_warmup"] == 0 for p in result["decode_sweep"]["points"])
+
+
+def test_repeats_give_median_and_spread(result):
+    full = runs_by_method(result)["full"]
+    for run in result["runs"]:
+        assert len(run["repeats"]) == 3
+        values = [r["tokens_per_s"] for r in run["repeats"]]
+        stats = run["spread"]["tokens_per_s"]
+        assert stats["median"] == pytest.approx(np.median(values)) == pytest.approx(run["tokens_per_s"])
+        assert stats["min"] == min(values) and stats["max"] == max(values) and stats["q1"] <= stats["q3"]
+        ratios = [r["tokens_per_s"] / f["tokens_per_s"] for r, f in zip(run["repeats"], full["repeats"], strict=True)]
+        assert run["ratio_vs_full"]["throughput"] == pytest.approx(np.median(ratios))
+        assert run["ratio_spread"]["throughput"]["min"] == pytest.approx(min(ratios))
+
+
+def test_decode_sweep_records_kept_slots_per_layer(result):
+    sweep = result["decode_sweep"]
+    points = {p["budget"]: p for p in sweep["points"]}
+    assert set(points) == {1.0, 0.2} and sweep["batch"] == 1
+    assert points[1.0]["capacity_slots_per_layer"] == [PROMPT_BUCKET + NEW_BUCKET + 1] * 2
+    assert points[0.2]["capacity_slots_per_layer"] == [65, 65]
+    assert points[0.2]["kept_ratio_max"] <= 0.21 and points[1.0]["kept_ratio_mean"] == pytest.approx(1.0)
+    assert points[0.2]["tpot_ms"]["median"] > 0 and points[1.0]["tpot_ratio_vs_top_budget"] == 1.0
+
+
+def test_warmup_keeps_the_capacity_bucket():
+    # the warm-up keeps the timed calls' decode-capacity bucket and runs at least one decode step
+    assert [serving.warmup_tokens(n) for n in (1, 2, 16, 64, 65, 100)] == [1, 2, 2, 2, 65, 65]
+    for n in (16, 64, 65, 100, 200):
+        assert new_token_bucket(serving.warmup_tokens(n)) == new_token_bucket(n)
+
+
+def test_serving_refuses_bad_flags_before_loading(capsys):
+    for bad in (["--workloads", "long"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            serving.main(["--model", "tiny", *bad])
+        assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "workload 'long'" in err and "--repeats" in err
+
+
+# ---- workloads, machine --------------------------------------------------------------------------------------------
+
+
+def test_workload_names_and_synthetic_prompts():
+    assert [workloads.workload_tokens(n) for n in ("bfcl", "2k", "8k", "512")] == [None, 2048, 8192, 512]
+    with pytest.raises(ValueError, match="workload"):
+        workloads.workload_tokens("long")
+    w = workloads.build_workload("1k", None, 256, pool=3, seed=0)
+    lengths = [len(p) for p in w.prompts]
+    assert lengths == sorted(lengths, reverse=True) and all(0.9 * 1024 <= n <= 1024 for n in lengths)
+    assert w.prompt_bucket == 1024 and w.grammars is None
+    for p, r in zip(w.prompts, w.roles, strict=True):
+        assert r[0] == Role.SINK and set(r[1:]) == {Role.USER_TEXT} and len(r) == len(p)
+    prompts, roles, grammars = w.take(5)  # a batch cycles through the pool
+    assert prompts == [*w.prompts, *w.prompts[:2]] and roles == [*w.roles, *w.roles[:2]] and grammars is None
+
+
+def test_long_context_prompt_fills_the_tools_list_up_to_the_target():
+    from pask_jax import bfcl, load_tokenizer
+    from pask_jax.models.chat_template import bfcl_prompt
+    from pask_jax.structure import prompt_roles
+
+    tokenizer = load_tokenizer("qwen")
+    item = bfcl.evaluation_sample("simple_python", 0, 1)[0]
+    text, tools = workloads.long_context_prompt(item, tokenizer, 2048, seed=0)
+    n = len(tokenizer.encode(text))
+    assert 0.9 * 2048 <= n <= 2048, n
+    names = [t["name"] for t in tools]
+    assert item["function"][0]["name"] in names and len(names) == len(set(names)) > 5
+    assert len(prompt_roles(text, tokenizer, item["question"][0], tools)) == n
+    assert n > 3 * len(tokenizer.encode(bfcl_prompt(item)))
+
+
+def test_machine_and_code_state():
+    info = machine.machine_info()
+    assert info["cpu_count"] >= info["cpu_affinity"] >= 1 and info["jax"] == jax.__version__
+    assert info["jax_backend"] == jax.default_backend() and info["cpu"]
+    assert (info["device_memory"] is None) == (jax.default_backend() == "cpu")
+    code = machine.code_state()
+    assert len(code["engine_py_sha256"]) == 16
+    assert code["commit"] == "" or len(code["commit"]) == 40  # "" outside a git checkout
+
+
+def test_the_compile_counter_counts():
+    before = machine.compiles_so_far()
+    jax.jit(lambda x: jnp.cos(x) * 3.25)(jnp.ones(7)).block_until_ready()
+    assert machine.compiles_so_far() > before
+
+
+# ---- cache bytes ---------------------------------------------------------------------------------------------------
+
+
+def test_cache_bench_reproduces_the_committed_numbers(tmp_path):
+    committed = json.loads((REPO / "results" / "cache_bytes.json").read_text())
+    args = committed["args"]
+    out = tmp_path / "cache.json"
+    result = pask_jax.bench.main(
+        ["cache", "--model", args["model"], "--prompt-len", args["prompt_len"], "--new-tokens", args["new_tokens"]]
+        + ["--batch", args["batch"], "--out", str(out)]
+    )
+    assert result["rows"] == committed["rows"] == json.loads(out.read_text())["rows"]
+
+
+# ---- decode vs transformers ----------------------------------------------------------------------------------------
+
+
+def tiny_pair(tmp_path: Path):
+    """A tiny random transformers Qwen2 and our model loaded from its checkpoint: the same weights on both sides."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from pask_jax.models.loading import load_hf_checkpoint
+
+    config = transformers.Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0.0, 0.2)
+            if "norm" in name:
+                p.add_(1.0)
+    hf.save_pretrained(tmp_path)
+    decode.greedy_without_stop(hf, pad_id=0)
+    return load_hf_checkpoint(tmp_path), hf
+
+
+def test_decode_bench_end_to_end_on_a_tiny_pair(tmp_path):
+    model, hf = tiny_pair(tmp_path)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, 128, n)] for n in (9, 14, 5)]
+    cfg = decode.DecodeConfig(model="tiny", batches=(1, 3), new_tokens=4, warmup_tokens=2, repeats=1, quick=True)
+    result = decode.run_benchmark(cfg, model, hf, prompts, decode_text=lambda ids: " ".join(map(str, ids)))
+    assert [e["batch"] for e in result["results"]] == [1, 3] and result["sanity_batch1_first_prompt_identical"]
+    assert {"torch", "transformers", "loadavg_end", "cpu"} <= set(result["machine"])
+    for entry in result["results"]:
+        ours = entry["ours"]
+        assert entry["same_greedy_tokens"]["rows_identical"] == entry["batch"]  # same weights, greedy
+        assert ours["decode_steps"] == entry["transformers"]["decode_steps"] == 3
+        assert ours["backend_compiles"]["timed"] == 0 and ours["backend_compiles"]["warmup"] >= 0
+        assert ours["step_probe_ms_median"]["decode_call"] <= ours["step_ms_median"] + 1e-6
+        assert ours["padding"]["length_bucket"] == 64 and ours["padding"]["batch_bucket"] == padded_batch(
+            entry["batch"]
+        )
+        assert entry["ours_over_transformers"]["decode_speedup"] > 0
+    assert "transformers_1_thread" in result["results"][0] and "transformers_1_thread" not in result["results"][1]
+    pieces = {p["batch"]: p for p in result["decode_step_pieces"]}
+    assert set(pieces) == {1, 3} and pieces[3]["our_padded_batch"] == 4
+    assert all(ms > 0 for ms in pieces[3]["ms_median"].values()) and "ours/decode_step_real" in pieces[3]["ms_min"]
+    assert set(result["decode_step_hlo"]) == {"1", "3"}
+    assert {"weight_relayout", "other_big_copies"} <= set(result["decode_step_hlo"]["3"])
+
+
+def test_run_ours_reports_every_decode_call(tiny_setup):
+    engine = serving.bench_engine(tiny_setup, "full", 1.0, serving.BenchConfig(model="tiny"))
+    run = decode.run_ours(engine, [[3, 4, 5], [6, 7]], 5)
+    assert len(run["step_s"]) == len(run["probe_ms"]["decode_call"]) == 4
+    assert all(0 < call <= 1e3 * step for call, step in zip(run["probe_ms"]["decode_call"], run["step_s"], strict=True))
+
+
+def test_hlo_copies_reads_weight_relayouts():
+    text = "\n".join(
+        [
+            "  %transpose.1 = f32[64,14,896]{2,1,0} transpose(%p), metadata={op_name=\"jit(decode)/params['o']\"}",
+            '  %copy.2 = f32[400,400]{1,0} copy(%x), metadata={op_name="jit(decode)/caches"}',
+            "  %copy.3 = f32[4]{0} copy(%y), metadata={op_name=\"jit(decode)/params['b']\"}",  # too small
+        ]
+    )
+    out = decode.hlo_copies(text)
+    assert out["weight_relayout"] == {"transpose": {"count": 1, "mb": round(64 * 14 * 896 * 4 / 2**20, 2)}}
+    assert out["other_big_copies"] == {"copy": {"count": 1, "mb": round(400 * 400 * 4 / 2**20, 2)}}
+
+
+# ---- the command line ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("benchmark, flag", [("serving", "--memory-batch"), ("decode", "--warmup-tokens")])
+def test_subcommand_help_exits_zero(capsys, benchmark, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        pask_jax.bench.main([benchmark, "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and f"pask-jax bench {benchmark}" in out and flag in out
+
+
+def test_bench_usage_and_unknown_benchmark(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pask_jax.bench.main(["--help"])
+    usage = capsys.readouterr().out
+    assert exit_info.value.code == 0 and all(f"\n  {name} " in usage for name in pask_jax.bench.BENCHMARKS)
+    for argv in ([], ["servng"]):
+        with pytest.raises(SystemExit) as exit_info:
+            pask_jax.bench.main(argv)
+        assert exit_info.value.code == 2 and "pask-jax bench {serving" in capsys.readouterr().err

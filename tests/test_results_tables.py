@@ -1,0 +1,118 @@
+"""docs/RESULTS.md's generated tables against the committed results files, and the paired statistics."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pask_jax import report
+from pask_jax.report import ReportError, mcnemar_exact_p, paired_bootstrap_ci, render_tables, stale_tables
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "RESULTS.md"
+needs_bfcl_data = pytest.mark.skipif(
+    importlib.util.find_spec("bfcl_eval") is None, reason="the overlap tables read BFCL's tool sets"
+)
+
+
+# ---- the document ---------------------------------------------------------------------------------------------------
+
+
+@needs_bfcl_data
+def test_every_table_matches_its_results_file():
+    assert stale_tables(DOC.read_text(encoding="utf-8"), REPO) == []
+
+
+@needs_bfcl_data
+def test_a_changed_cell_is_reported(tmp_path: Path):
+    doc = DOC.read_text(encoding="utf-8")
+    row = "| pask | 0.33 | 88 | 64 |"
+    assert doc.count(row) == 1
+    changed = tmp_path / "RESULTS.md"
+    changed.write_text(doc.replace(row, "| pask | 0.33 | 88 | 68 |"), encoding="utf-8")
+    assert stale_tables(changed.read_text(encoding="utf-8"), REPO) == ["bfcl_sweep_25"]
+    check = [sys.executable, str(REPO / "scripts" / "results_tables.py"), "--check", "--doc", str(changed)]
+    run = subprocess.run(check, capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 1 and "stale: bfcl_sweep_25" in run.stdout and "+| pask | 0.33 | 88 | 64 |" in run.stdout
+
+
+def test_render_rewrites_blocks_and_keeps_the_text_around(tmp_path: Path):
+    (tmp_path / "results").mkdir()
+    rows = [{"budget": 1.0, "bytes": 400, "ratio_vs_full": 1.0}, {"budget": 0.5, "bytes": 200, "ratio_vs_full": 0.5}]
+    args = {"model": "m", "prompt_len": "8", "new_tokens": "2", "batch": "1"}
+    (tmp_path / "results" / "cache_bytes.json").write_text(json.dumps({"args": args, "rows": rows}))
+    before = "# Title\n\nhand text quoting `<!-- table:cache_bytes -->`\n\n"
+    doc = before + "<!-- table:cache_bytes -->\nSTALE TEXT\n<!-- /table -->\n\nafter\n"
+    rendered = render_tables(doc, tmp_path)
+    assert rendered.startswith(before + "<!-- table:cache_bytes -->\n**Claim.**")
+    assert rendered.endswith("| 0.5 | 0.0 | 0.5000 |\n<!-- /table -->\n\nafter\n") and "STALE TEXT" not in rendered
+    assert "0.5000 of full KV's bytes at b = 1 / 0.5" in rendered
+    missing = [f"{name} (missing)" for name in report.TABLES if name != "cache_bytes"]
+    assert stale_tables(rendered, tmp_path) == missing
+    assert stale_tables(doc, tmp_path) == ["cache_bytes", *missing]
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ("<!-- table:nonsense -->\nx\n<!-- /table -->\n", "unknown table 'nonsense'"),
+        ("<!-- table:cache_bytes -->\nx\n", "unbalanced"),
+        ("<!-- table:cache_bytes -->\n<!-- /table -->\n<!-- table:cache_bytes -->\n<!-- /table -->\n", "twice"),
+    ],
+)
+def test_malformed_documents_are_refused(doc: str, message: str, tmp_path: Path):
+    with pytest.raises(ReportError, match=message):
+        stale_tables(doc, tmp_path)
+
+
+def test_a_missing_results_file_is_named(tmp_path: Path):
+    with pytest.raises(ReportError, match="results/cache_bytes.json is missing"):
+        render_tables("<!-- table:cache_bytes -->\n<!-- /table -->\n", tmp_path)
+
+
+# ---- paired statistics ----------------------------------------------------------------------------------------------
+
+
+def test_mcnemar_exact_p_by_hand():
+    # b = 3, c = 9: n = 12, 2 * (C(12,0) + C(12,1) + C(12,2) + C(12,3)) / 2^12 = 2 * 299 / 4096
+    assert mcnemar_exact_p(3, 9) == pytest.approx(598 / 4096) and round(mcnemar_exact_p(3, 9), 3) == 0.146
+    assert mcnemar_exact_p(9, 3) == mcnemar_exact_p(3, 9)  # two-sided: symmetric
+    assert mcnemar_exact_p(0, 5) == pytest.approx(2 / 32)  # all 5 discordant items one way
+    assert mcnemar_exact_p(8, 5) == pytest.approx(2 * (1 + 13 + 78 + 286 + 715 + 1287) / 2**13)  # 0.581
+    assert mcnemar_exact_p(0, 0) == 1.0 and mcnemar_exact_p(4, 4) == 1.0  # capped at 1
+    with pytest.raises(ValueError, match=">= 0"):
+        mcnemar_exact_p(-1, 2)
+
+
+def test_bootstrap_interval_by_hand():
+    # d = [1, 0, 0, 0, 0]: the resampled mean is k / 5 with k ~ Binomial(5, 0.2); P(k = 0) = 0.33 > 2.5%, so the
+    # lower end is 0; P(k <= 2) = 0.942 < 97.5% < P(k <= 3) = 0.993, so the upper end is 3 / 5.
+    a, b = [True, False, False, False, False], [False] * 5
+    assert paired_bootstrap_ci(a, b) == (0.0, 0.6)
+    assert paired_bootstrap_ci(b, a) == (-0.6, 0.0)
+    # two items, d = [1, 0]: the mean is 0 / 0.5 / 1 with probabilities 1/4, 1/2, 1/4: both ends are reached
+    assert paired_bootstrap_ci([True, True], [False, True]) == (0.0, 1.0)
+    assert paired_bootstrap_ci([True, False] * 20, [True, False] * 20) == (0.0, 0.0)  # identical outcomes
+    assert paired_bootstrap_ci([True] * 7, [False] * 7) == (1.0, 1.0)
+
+
+def test_bootstrap_is_seeded_and_covers_the_observed_difference():
+    a = [i % 3 != 0 for i in range(60)]
+    b = [i % 4 != 0 for i in range(60)]
+    low, high = paired_bootstrap_ci(a, b)
+    assert paired_bootstrap_ci(a, b) == (low, high) and low < (sum(a) - sum(b)) / 60 < high
+    other_seed = paired_bootstrap_ci(a, b, seed=1)
+    assert all(abs(x - y) <= 2 / 60 for x, y in zip(other_seed, (low, high), strict=True))  # resampling noise
+    narrow = paired_bootstrap_ci(a, b, level=0.5)
+    assert low <= narrow[0] <= narrow[1] <= high and not math.isclose(narrow[0], low)
+    for bad in ((a, b[:-1]), ([], [])):
+        with pytest.raises(ValueError, match="equally long"):
+            paired_bootstrap_ci(*bad)
+    with pytest.raises(ValueError, match="level"):
+        paired_bootstrap_ci(a, b, level=1.0)
