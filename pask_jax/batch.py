@@ -158,6 +158,10 @@ def run_batch(llm_factory: Callable[[], object], input_path: str | Path, output_
     """Every unanswered input line through the LLM that `llm_factory` builds (called once, after the envelopes are
     read: an input with nothing left to do loads nothing)."""
     input_path, output_path = Path(input_path), Path(output_path)
+    if not input_path.is_file():
+        raise ValueError(f"input file {input_path} does not exist")
+    if output_path.resolve() == input_path.resolve():
+        raise ValueError("the output file must not be the input file")
     start = time.perf_counter()
     lines = read_input(input_path)
     done = answered_keys(output_path)
