@@ -22,12 +22,11 @@ from pask_jax import bfcl
 from pask_jax.engine import Engine, SamplingConfig, generate_shared
 from pask_jax.factory import make_engine
 from pask_jax.methods import METHODS
-from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
-from pask_jax.structure import GrammarConstraint, bfcl_function, compile_grammar
-from pask_jax.structure.prompt_roles import prompt_roles
+from pask_jax.requests import RequestBuilder
+from pask_jax.structure import GrammarConstraint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,22 +105,21 @@ def run_category(
 ) -> list[dict]:
     """One category through every engine; each batch's grammars, prompt roles and prefill are shared by all."""
     answers = bfcl.load_answers(category)
-    texts = [bfcl_prompt(item) for item in items]
-    prompts = [tokenizer.encode(text) for text in texts]
-    order = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths share a batch: less padding
+    builder = RequestBuilder(tokenizer, None)
+    prepared = [builder.prepare_bfcl(item, max_tokens=cfg.max_new_tokens, framing=cfg.framing) for item in items]
+    order = np.argsort([len(p.ids) for p in prepared], kind="stable")  # similar lengths share a batch: less padding
     results = {key: [None] * len(items) for key in engines}
     timing = {key: [0.0, 0.0, 0, 0.0] for key in engines}  # parser s, decode s, steps, wall s
     for start in range(0, len(items), cfg.batch_size):
         idx = [int(i) for i in order[start : start + cfg.batch_size]]
-        functions = [bfcl_python_functions(items[i]["function"]) for i in idx]
-        grammars = [compile_grammar([bfcl_function(x) for x in f], tokenizer, framing=cfg.framing) for f in functions]
-        roles = [prompt_roles(texts[i], tokenizer, items[i]["question"][0], functions[k]) for k, i in enumerate(idx)]
+        batch = [prepared[i] for i in idx]
+        grammars = [p.grammar for p in batch]
         constraints = [GrammarConstraint(grammars, engine.cfg.vocab_size) for engine in engines.values()]
         outputs = generate_shared(
             list(engines.values()),
-            [prompts[i] for i in idx],
+            [p.ids for p in batch],
             SamplingConfig(max_new_tokens=cfg.max_new_tokens),
-            prompt_roles=roles,
+            prompt_roles=[p.roles for p in batch],
             constraints=constraints,
         )
         for key, gens, constraint in zip(engines, outputs, constraints, strict=True):

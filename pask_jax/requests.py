@@ -4,7 +4,8 @@ Every entry point goes through it (the `LLM` API, `pask-jax run`, BFCL evaluatio
 
     body (dict) --parse_request--> ChatRequest --RequestBuilder.prepare--> PreparedRequest
                                                  (chat template, tokenizer, prompt roles, compiled grammar)
-    BFCL item   --RequestBuilder.prepare_bfcl--> PreparedRequest (BFCL's fixed prompt, its dialect translated)
+    BFCL item   --RequestBuilder.prepare_bfcl--> PreparedRequest (BFCL's fixed prompt, its dialect translated;
+                                                 `prepare_tool_prompt` for other tool lists in that prompt)
 
 `parse_request` needs no tokenizer or model, so a batch's bad lines are found before anything is loaded.
 What a request may ask (`CHAT_FIELDS`): messages, tools, tool_choice ("auto" | "required" | "none" | a named function),
@@ -21,7 +22,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from pask_jax.models.chat_template import ChatTemplate, bfcl_prompt, bfcl_python_functions
+from pask_jax.models.chat_template import ChatTemplate, bfcl_python_functions, format_tool_prompt
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.structure import CompiledGrammar, bfcl_function, compile_grammar, compile_json_grammar, parse_tools
 from pask_jax.structure.prompt_roles import prompt_roles
@@ -250,17 +251,33 @@ class RequestBuilder:
         roles = prompt_roles(text, self.tokenizer, messages, tools)
         return PreparedRequest(request, text, ids, roles, self.grammar(request))
 
-    def prepare_bfcl(self, item: dict, *, max_tokens: int = DEFAULT_MAX_TOKENS, framing: str = "tool_call"):
-        """A BFCL item through BFCL's own fixed prompt (parity with its Qwen FC handler); calls required."""
-        functions = bfcl_python_functions(item["function"])
-        text = bfcl_prompt(item)
+    def prepare_tool_prompt(
+        self,
+        messages: Sequence[dict],
+        functions: Sequence[dict],
+        *,
+        grammar_functions: Sequence[dict] | None = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        framing: str = "tool_call",
+    ) -> PreparedRequest:
+        """BFCL's fixed Qwen FC prompt (parity with its handler) over BFCL-dialect `functions`; calls required.
+
+        `grammar_functions` (default: `functions`) are the tools the grammar allows, e.g. an item's own among
+        distractors listed in the prompt."""
+        text = format_tool_prompt(list(messages), list(functions))
         ids = self.tokenizer.encode(text)
         self._check_length(ids, max_tokens)
-        messages = item["question"][0]
-        roles = prompt_roles(text, self.tokenizer, messages, functions)
-        tools = tuple(bfcl_function(f) for f in functions)
+        roles = prompt_roles(text, self.tokenizer, list(messages), list(functions))
+        tools = tuple(bfcl_function(f) for f in (functions if grammar_functions is None else grammar_functions))
         request = ChatRequest(
             messages=tuple(messages), tools=tools, tool_choice="required", max_tokens=max_tokens, temperature=0.0
         )
         grammar = compile_grammar(list(tools), self.tokenizer, tool_choice="required", framing=framing)
         return PreparedRequest(request, text, ids, roles, grammar)
+
+    def prepare_bfcl(
+        self, item: dict, *, max_tokens: int = DEFAULT_MAX_TOKENS, framing: str = "tool_call"
+    ) -> PreparedRequest:
+        """A BFCL item ({"id", "question": [[messages]], "function": [...]}) as BFCL's Qwen FC handler prompts it."""
+        functions = bfcl_python_functions(item["function"])
+        return self.prepare_tool_prompt(item["question"][0], functions, max_tokens=max_tokens, framing=framing)

@@ -1,16 +1,13 @@
-"""scripts/merge_bfcl.py: disjoint item ranges of one run join into the result of a single run."""
+"""pask_jax.bfcl_merge: disjoint item ranges of one run join into the result of a single run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("merge_bfcl", Path(__file__).parents[1] / "scripts" / "merge_bfcl.py")
-merge_bfcl = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(merge_bfcl)
+from pask_jax import bfcl_merge as merge_bfcl
 
 
 def item(i: int, valid: bool) -> dict:

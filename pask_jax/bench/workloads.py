@@ -22,7 +22,8 @@ from pask_jax import bfcl
 from pask_jax.engine import length_bucket
 from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions, format_tool_prompt
 from pask_jax.models.tokenizer import Tokenizer
-from pask_jax.structure import CompiledGrammar, bfcl_function, compile_grammar, prompt_roles
+from pask_jax.requests import RequestBuilder
+from pask_jax.structure import CompiledGrammar
 from pask_jax.structure.roles import Role
 
 
@@ -81,11 +82,13 @@ def _from_texts(name: str, description: str, tokenizer: Tokenizer, entries: list
 
     Every prompt is the item's question (`item["question"][0]`) with the listed tools, in BFCL's fixed prompt.
     """
-    rows = []
+    builder, rows = RequestBuilder(tokenizer, None), []
     for item, text, tools in entries:
-        grammar = compile_grammar([bfcl_function(f) for f in bfcl_python_functions(item["function"])], tokenizer)
-        roles = prompt_roles(text, tokenizer, item["question"][0], tools)
-        rows.append((tokenizer.encode(text), roles, grammar, item["id"]))
+        own = bfcl_python_functions(item["function"])
+        prepared = builder.prepare_tool_prompt(item["question"][0], tools, grammar_functions=own)
+        if prepared.text != text:
+            raise ValueError(f"{item['id']}: the workload's prompt is not BFCL's prompt over its tools")
+        rows.append((prepared.ids, prepared.roles, prepared.grammar, item["id"]))
     rows.sort(key=lambda r: -len(r[0]))
     return Workload(name, description, *map(list, zip(*rows, strict=True)))
 

@@ -52,11 +52,11 @@ from pask_jax.bfcl import (
 from pask_jax.calibration.passes import NO_ROLE, ItemArrays, PassPlan, baseline_pass, removed_entries, variant_pass
 from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.layers import layer_groups
-from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions, format_tool_call
+from pask_jax.models.chat_template import format_tool_call
 from pask_jax.models.qwen3 import Qwen3
-from pask_jax.structure import GrammarConstraint, bfcl_function, compile_grammar
-from pask_jax.structure.prompt_roles import prompt_roles
-from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
+from pask_jax.requests import RequestBuilder
+from pask_jax.structure import GrammarConstraint
+from pask_jax.structure.roles import TAXONOMY_VERSION, num_roles
 
 DEFAULT_LEVELS = (0.0, 0.25, 0.5, 0.75)
 GOLD_BUCKET = 16  # fed tokens padded to a multiple of this; prompts to a power of two (>= 64)
@@ -151,12 +151,8 @@ def prepare_example(
 
     The gold: `gold` token ids if given; else the model's own call (`own_call`) when an `engine` is given; else the
     canonical rendering of the ground truth `answer`."""
-    functions = bfcl_python_functions(item["function"])
-    prompt = bfcl_prompt(item)
-    ids = np.asarray(tokenizer.encode(prompt), np.int32)
-    roles = np.asarray(prompt_roles(prompt, tokenizer, item["question"][0], functions), np.int32).copy()
-    roles[0] = Role.SINK
-    grammar = compile_grammar([bfcl_function(f) for f in functions], tokenizer, framing="tool_call")
+    prepared = RequestBuilder(tokenizer, None).prepare_bfcl(item)
+    ids, roles, grammar = np.asarray(prepared.ids, np.int32), np.asarray(prepared.roles, np.int32), prepared.grammar
     if gold is not None:
         renderings = [gold]
     elif engine is not None:

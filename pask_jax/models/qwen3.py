@@ -62,10 +62,6 @@ class ModelConfig:
     def group_size(self) -> int:  # G: query heads sharing one KV head
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, dtype: jnp.dtype = jnp.float32) -> int:
-        """Bytes of K and V one token occupies over all layers and KV heads."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(dtype).itemsize
-
     # Named presets for real checkpoints (values from their config.json / GGUF headers) and tiny test models.
     @classmethod
     def qwen3_0_6b(cls) -> ModelConfig:
