@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from flax import nnx
 
 from pask_jax import bfcl
 from pask_jax.evaluate import EvalConfig, format_table, run_bfcl
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import qwen_tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen() -> Qwen3:
-    return Qwen3(ModelConfig.tiny("qwen2", vocab_size=151_936, hidden_size=32, intermediate_size=64), rngs=nnx.Rngs(0))
+def tiny_qwen(tiny_qwen_vocab) -> Qwen3:
+    return tiny_qwen_vocab
 
 
 def test_run_bfcl_shape_and_split(tiny_qwen: Qwen3):

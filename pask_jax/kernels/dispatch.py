@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pask_jax.kernels import gpu, reference, tpu
+import pask_jax.kernels.gpu as gpu
+import pask_jax.kernels.reference as reference
+import pask_jax.kernels.tpu as tpu
 
 BACKENDS = ("cpu", "gpu", "tpu")
 _TPU_SUBLANES = 8
