@@ -188,8 +188,15 @@ def run_batch(llm_factory: Callable[[], object], input_path: str | Path, output_
         out.write(errors)
         summary.failed += len(errors)
         with tqdm(total=len(prepared), desc="run", unit="request", file=sys.stderr) as progress:
-            for indices, completions in llm.generate([p for _, p in prepared]):
-                out.write([success_record(prepared[i][0], c) for i, c in zip(indices, completions, strict=True)])
+            for indices, results in llm.generate([p for _, p in prepared]):
+                pairs = list(zip(indices, results, strict=True))
+                failed = [(i, r) for i, r in pairs if isinstance(r, Exception)]
+                completions = [r for _, r in pairs if not isinstance(r, Exception)]
+                out.write(
+                    [error_record(prepared[i][0], "kv_memory", str(r)) for i, r in failed]
+                    + [success_record(prepared[i][0], r) for i, r in pairs if not isinstance(r, Exception)]
+                )
+                summary.failed += len(failed)
                 for completion in completions:
                     summary.completed += 1
                     summary.output_tokens += completion["usage"]["completion_tokens"]

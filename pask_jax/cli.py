@@ -30,7 +30,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     def build():
         from pask_jax.llm import LLM
 
-        return LLM(args.model, max_batch=args.max_batch, **_llm_options(args))
+        memory = None if args.kv_memory_mb is None else int(args.kv_memory_mb * 2**20)
+        return LLM(args.model, max_batch=args.max_batch, kv_memory_bytes=memory, **_llm_options(args))
 
     summary = run_batch(build, args.input, args.output)
     print(summary.line(), file=sys.stderr)
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         "--policy", default="auto", help="PASK policy: auto (the shipped one that fits the model), a directory, none"
     )
     p.add_argument("--max-batch", type=int, default=8, help="rows per micro-batch")
+    p.add_argument(
+        "--kv-memory-mb", type=float, help="KV-cache memory per micro-batch: rows are admitted while it fits"
+    )
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("compare", help="print the answers of several `run` outputs side by side")
     p.add_argument("input", help="the input JSONL the outputs answer")

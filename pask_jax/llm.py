@@ -6,7 +6,8 @@
 
 Requests are rendered with the checkpoint's own chat template, their tool calls (or JSON content) decoded under the
 grammar, and batched: requests that share sampling settings and constrained-ness are length-sorted into micro-batches
-of up to `max_batch` rows. The model's weights load on first use, so bad requests are refused before that.
+of up to `max_batch` rows whose KV cache fits `kv_memory_bytes` (if given: a method that keeps less fits more rows).
+The model's weights load on first use, so bad requests are refused before that.
 `policy`: "auto" (PASK only) finds the shipped policy that fits the model by fingerprint; a directory loads that
 policy (refused if it fits another model); None runs PASK uncalibrated (recency with sinks).
 Sampling: `seed` applies per micro-batch (requests with different seeds never share one); `stop` strings cut the
@@ -25,13 +26,14 @@ import numpy as np
 
 from pask_jax.engine import Engine, Generation, SamplingConfig
 from pask_jax.factory import make_engine
+from pask_jax.methods import METHODS
 from pask_jax.models.chat_template import ChatTemplate, load_chat_template
 from pask_jax.models.fetch import resolve_model_path
 from pask_jax.models.loading import load_config, load_model
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import Tokenizer, load_tokenizer_from_path
 from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
-from pask_jax.requests import PreparedRequest, RequestBuilder, parse_request
+from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError, parse_request
 from pask_jax.structure import FreeTextConstraint, GrammarConstraint
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -52,6 +54,7 @@ class LLM:
         tokenizer: Tokenizer | None = None,
         chat_template: ChatTemplate | None = None,
         max_batch: int = 8,
+        kv_memory_bytes: int | None = None,
         max_context: int = DEFAULT_MAX_CONTEXT,
         num_groups: int | None = None,
         use_kernel: bool = False,
@@ -59,6 +62,10 @@ class LLM:
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget={budget} must be in (0, 1]")
         if isinstance(model, Qwen3):
             if tokenizer is None:
                 raise ValueError("LLM(model=<a Qwen3 instance>) needs tokenizer=")
@@ -76,7 +83,7 @@ class LLM:
         if self.policy is not None:
             self.policy.table(self.budget)  # refuse a budget the policy does not answer before loading weights
         self.builder = RequestBuilder(tokenizer, chat_template, max_context=max_context)
-        self.max_batch = max_batch
+        self.max_batch, self.kv_memory_bytes = max_batch, kv_memory_bytes
         self._engine_options = dict(num_groups=num_groups, use_kernel=use_kernel, overrides=method_overrides)
         self._engine: Engine | None = None
 
@@ -127,6 +134,8 @@ class LLM:
         answers: list[dict | None] = [None] * len(prepared)
         for indices, completions in self.generate(prepared):
             for i, completion in zip(indices, completions, strict=True):
+                if isinstance(completion, Exception):
+                    raise type(completion)(f"request {i}: {completion}")
                 answers[i] = completion
         return answers
 
@@ -140,13 +149,33 @@ class LLM:
         batches = []
         for indices in groups.values():
             indices.sort(key=lambda i: len(prepared[i].ids))
-            batches += [indices[s : s + self.max_batch] for s in range(0, len(indices), self.max_batch)]
+            batch: list[int] = []
+            for i in indices:
+                if batch and (len(batch) == self.max_batch or not self._fits([prepared[j] for j in [*batch, i]])):
+                    batches.append(batch)
+                    batch = []
+                batch.append(i)
+            batches.append(batch)
         return batches
 
-    def generate(self, prepared: Sequence[PreparedRequest]) -> Iterator[tuple[list[int], list[dict]]]:
-        """Run prepared requests micro-batch by micro-batch: yields (their indices, their completions)."""
+    def _fits(self, batch: Sequence[PreparedRequest]) -> bool:
+        """Whether a micro-batch's KV cache (its padded rows and buckets, this method's capacities) fits the limit."""
+        if self.kv_memory_bytes is None:
+            return True
+        shape = self.engine.batch_shape([len(p.ids) for p in batch], max(p.request.max_tokens for p in batch))
+        return self.engine.cache_bytes(shape) <= self.kv_memory_bytes
+
+    def generate(self, prepared: Sequence[PreparedRequest]) -> Iterator[tuple[list[int], list[dict | Exception]]]:
+        """Run prepared requests micro-batch by micro-batch: yields (their indices, their completions). A request
+        whose cache alone exceeds `kv_memory_bytes` gets a RequestError in place of its completion."""
         for indices in self.micro_batches(prepared):
             batch = [prepared[i] for i in indices]
+            if len(batch) == 1 and not self._fits(batch):
+                shape = self.engine.batch_shape([len(batch[0].ids)], batch[0].request.max_tokens)
+                need = self.engine.cache_bytes(shape)
+                error = RequestError(f"its KV cache needs {need} bytes, over the limit of {self.kv_memory_bytes}")
+                yield indices, [error]
+                continue
             yield indices, self._run(batch)
 
     def _run(self, batch: list[PreparedRequest]) -> list[dict]:

@@ -140,6 +140,10 @@ def test_policy_auto_finds_none_for_a_tiny_model(tiny_qwen_vocab, qwen_tok):
         LLM(tiny_qwen_vocab, tokenizer=qwen_tok, method="pask", policy="auto")
     full = LLM(tiny_qwen_vocab, tokenizer=qwen_tok, method="full", budget=0.33, policy="auto")
     assert (full.budget, full.policy) == (1.0, None)  # full KV keeps everything; no policy looked up
+    with pytest.raises(ValueError, match="unknown method 'magic'"):
+        LLM(tiny_qwen_vocab, tokenizer=qwen_tok, method="magic")
+    with pytest.raises(ValueError, match="budget=1.5"):
+        LLM(tiny_qwen_vocab, tokenizer=qwen_tok, method="snapkv", budget=1.5)
 
 
 def test_run_writes_openai_batch_output_that_validates(llm: LLM, tmp_path: Path):
@@ -196,3 +200,25 @@ def test_bfcl_items_as_openai_requests_make_the_same_calls_as_the_bfcl_harness()
     theirs = [[next(iter(c.items())) for c in harness[it["id"]]] for it in items]
     agree = sum(a == b for a, b in zip(ours, theirs, strict=True))
     assert agree >= 0.75 * len(items), (agree, list(zip(ours, theirs, strict=True)))
+
+
+def test_kv_memory_limit_admits_more_rows_for_a_smaller_cache(tiny_qwen_vocab, qwen_tok, tmp_path: Path):
+    template = ChatTemplate((DATA / "qwen2.5_instruct.jinja").read_text(), eos_token="<|im_end|>")
+    common = dict(tokenizer=qwen_tok, chat_template=template, policy=None)
+    bodies = [_body(f"Say hi {i}", max_tokens=4) for i in range(8)]
+    full = LLM(tiny_qwen_vocab, method="full", **common)
+    prepared = [full.prepare(b) for b in bodies]
+    shape = full.engine.batch_shape([len(p.ids) for p in prepared[:2]], 4)
+    two_rows = full.engine.cache_bytes(shape)
+    full.kv_memory_bytes = two_rows
+    assert [len(b) for b in full.micro_batches(prepared)] == [2, 2, 2, 2]
+    snap = LLM(tiny_qwen_vocab, method="snapkv", budget=0.33, kv_memory_bytes=two_rows, **common)
+    assert max(len(b) for b in snap.micro_batches(prepared)) > 2  # a third of the cache: more rows in the same bytes
+    tight = LLM(tiny_qwen_vocab, method="full", kv_memory_bytes=16, **common)
+    with pytest.raises(RequestError, match="request 0: its KV cache needs"):
+        tight.chat(bodies[0])
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"custom_id": "a", "body": bodies[0]}) + "\n")
+    summary = run_batch(lambda: tight, inp, out)
+    record = json.loads(out.read_text())
+    assert record["error"]["code"] == "kv_memory" and summary.failed == 1 and summary.completed == 0
