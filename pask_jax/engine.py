@@ -31,7 +31,7 @@ from flax import nnx
 from pask_jax.cache import GroupCache
 from pask_jax.layers import layer_groups
 from pask_jax.methods import FullKV, KVMethod
-from pask_jax.methods.base import PrefillContext, budget_capacity
+from pask_jax.methods.base import PrefillContext, allowance_capacity
 from pask_jax.models.qwen3 import ModelConfig, Qwen3, attention, attention_probs
 from pask_jax.structure.constraint import TokenConstraint
 
@@ -194,6 +194,7 @@ class StepPlan:
     cfg: ModelConfig
     method: KVMethod
     groups: tuple[tuple[int, int], ...]
+    budget: float
     fractions: tuple[float, ...]  # per layer: the share of the full length it may keep
     use_kernel: bool
     dtype: jnp.dtype
@@ -206,10 +207,15 @@ class StepPlan:
 
     def capacities(self, prompt_bucket: int, new_tokens: int) -> tuple[int, ...]:
         """Slots per (layer, sequence, KV head) of each layer group: the largest need among its layers."""
+        full = prompt_bucket + new_tokens  # the allowance grows with the full length: its end bounds every step
         return tuple(
-            max(budget_capacity(prompt_bucket, new_tokens, float(f)) for f in self.fractions[start:stop])
+            max(allowance_capacity(self.allowance(layer, np.float64(full)), full) for layer in range(start, stop))
             for start, stop in self.groups
         )
+
+    def allowance(self, layer: int, full):
+        """The method's allowance for `layer` at full length `full` (before the floor)."""
+        return self.method.keep_allowance(self.fractions[layer], self.budget, full)
 
     def empty_caches(self, batch: int, capacities: tuple[int, ...]) -> list[GroupCache]:
         """One empty cache per layer group, `capacities[g]` slots per (layer, sequence, KV head)."""
@@ -226,7 +232,7 @@ class StepPlan:
         for layer, (k, v) in enumerate(kv):
             g, li = self._layer_slot(layer)
             n_keep = min(t, capacities[g])
-            quota = jnp.maximum(jnp.floor(self.fractions[layer] * ctx.lengths).astype(jnp.int32), 1)  # i32[B]
+            quota = jnp.maximum(jnp.floor(self.allowance(layer, ctx.lengths)).astype(jnp.int32), 1)  # i32[B]
             ranked = jnp.where(ctx.valid[:, None], scores[layer], -jnp.inf)  # padding never kept
             keep = jax.lax.top_k(ranked, n_keep)[1].astype(jnp.int32)  # [B, K, n_keep], best first
             count = jnp.broadcast_to(jnp.minimum(quota, n_keep)[:, None], keep.shape[:2])
@@ -260,8 +266,8 @@ class StepPlan:
                 )
             else:
                 out = cache.attend(li, q[:, 0], self.use_kernel)
-            # Running cap after this token: floor(fraction * (P + t)) entries per (layer, sequence, head).
-            cap = jnp.floor(self.fractions[layer] * (positions + 1)).astype(jnp.int32)  # i32[B]
+            # Running cap after this token: floor(allowance(P + t)) entries per (layer, sequence, head).
+            cap = jnp.floor(self.allowance(layer, positions + 1)).astype(jnp.int32)  # i32[B]
             over = cache.length[li] > cap[:, None]
             priority = method.eviction_priority(
                 layer, cache.score[li], cache.pos[li], cache.role[li], positions, prompt_lengths
@@ -407,6 +413,7 @@ class Engine:
             graphdef=graphdef,
             cfg=cfg,
             method=method,
+            budget=float(budget),
             groups=layer_groups(cfg.num_layers, min(num_groups, cfg.num_layers)),
             fractions=tuple(float(f) for f in fractions),
             use_kernel=use_kernel,

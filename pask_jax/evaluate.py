@@ -149,8 +149,9 @@ def build_engines(
 ) -> dict[tuple[str, float], Engine]:
     """One engine per (method spec, budget). A spec is a method name or `NAME:LABEL`, a labelled variant: its own
     config section `["NAME:LABEL"]` (e.g. `["snapkv:w8"]`, for hyper-parameter sweeps side by side) and, for PASK,
-    the policy labelled LABEL if one is given (ablations). Plain `pask` takes the policy labelled "pask", else runs
-    uncalibrated. Hyper-parameters: the method's config section, then the spec's own section."""
+    the policy labelled LABEL if one is given (ablations), else the one labelled "pask" (online hyper-parameter
+    variants under the same policy). Without a policy PASK runs uncalibrated. Hyper-parameters: the method's config
+    section, then the spec's own section."""
     engines = {}
     for spec in cfg.methods:
         name, _, label = spec.partition(":")
@@ -160,7 +161,7 @@ def build_engines(
             raise ValueError(
                 f"{spec!r}: a label must name a method-config section [{spec!r}] (or, for pask, a --policy LABEL=PATH)"
             )
-        policy = policies.get(label or "pask") if name == "pask" else None
+        policy = policies.get(label, policies.get("pask")) if name == "pask" else None
         overrides = method_config.get(name, {}) | method_config.get(spec, {})
         for budget in cfg.budgets if name != "full" else (1.0,):  # full KV ignores the budget: run it once
             engines[(spec, budget)] = make_engine(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import synthetic_stats
 
 from pask_jax import bfcl
-from pask_jax.evaluate import EvalConfig, format_table, run_bfcl
+from pask_jax.calibration.compiler import compile_policy
+from pask_jax.evaluate import EvalConfig, build_engines, format_table, run_bfcl
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import qwen_tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
@@ -59,3 +61,16 @@ def test_dev_split_scores_dev_items_and_refuses_policies_fitted_elsewhere(tiny_q
         EvalConfig(split="test")
     with pytest.raises(ValueError, match="split_rule"):
         EvalConfig(split_rule="random")
+
+
+def test_labelled_pask_variants_take_their_own_policy_else_the_pask_one(tiny_qwen: Qwen3):
+    layers = tiny_qwen.config.num_layers
+    main = compile_policy(synthetic_stats(num_layers=layers, groups=2), [0.5])
+    ablated = compile_policy(synthetic_stats(num_layers=layers, groups=2), [0.5], ablation="no_floors")
+    cfg = EvalConfig(methods=("pask", "pask:s4", "pask:no_floors"), budgets=(0.5,))
+    config = {"pask": {"sinks": 1}, "pask:s4": {"sinks": 4}}
+    engines = build_engines(tiny_qwen, qwen_tokenizer(), cfg, config, {"pask": main, "no_floors": ablated})
+    pask, s4, no_floors = (engines[(spec, 0.5)].method for spec in cfg.methods)
+    assert pask.floor == s4.floor == tuple(map(tuple, main.table(0.5).floor.tolist()))
+    assert (pask.sinks, s4.sinks) == (1, 4)
+    assert no_floors.floor == tuple(map(tuple, ablated.table(0.5).floor.tolist())) != pask.floor

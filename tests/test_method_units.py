@@ -117,6 +117,22 @@ def test_pyramid_falls_back_to_uniform_when_infeasible():
     np.testing.assert_array_equal(pyramid_fractions(1, 0.3, beta), [0.3])
 
 
+@pytest.mark.parametrize("full", [40, 225, 2048])
+def test_pyramid_factory_allotment_puts_the_window_on_top_and_keeps_the_mean(full: int):
+    layers, budget = 24, 0.33
+    factory, inside = PyramidKV(window=32), PyramidKV(window=32, allotment="pyramid")
+    f = factory.layer_fractions(layers, budget)
+    on_top = np.array([float(factory.keep_allowance(x, budget, full)) for x in f])
+    within = np.array([float(inside.keep_allowance(x, budget, full)) for x in f])
+    np.testing.assert_allclose(within, f * full, rtol=1e-6)
+    np.testing.assert_allclose(on_top.mean(), budget * full, rtol=1e-5)  # the same total budget
+    window = min(32, budget * full)
+    assert on_top.min() >= window - 1e-4 and on_top[-1] > within[-1]  # every layer keeps its window
+    assert (np.diff(on_top) <= 1e-4).all()  # still a pyramid: lower layers keep more
+    with pytest.raises(ValueError, match="allotment"):
+        PyramidKV(allotment="uniform")
+
+
 # ---- DapQ ----
 
 
@@ -156,6 +172,22 @@ def test_dapq_pseudo_queries_content_and_positions():
     assert all(t in prompts[row] for row in range(2) for t in tokens[row].tolist())
     with pytest.raises(ValueError):
         DapQ(content="middle")
+
+
+def test_dapq_pooling_spreads_a_peak_to_its_neighbours_inside_the_prompt():
+    prompts = [list(range(1, 13))]  # P = 12 of T = 16
+    ctx, _ = fake_ctx(prompts, t=16, kv_heads=1, layers=1)
+    spike = jnp.zeros((1, 1, 16)).at[0, 0, 5].set(1.0).at[0, 0, 14].set(9.0)  # 14 is padding
+    ctx.extra_query_scores = lambda *_: [spike]
+    (raw,) = DapQ().prefill_scores([None], ctx)
+    np.testing.assert_array_equal(raw, spike)  # no pooling: the paper's scores as they are
+    (pooled,) = DapQ(pooling="max", kernel=3).prefill_scores([None], ctx)
+    assert np.asarray(pooled)[0, 0].tolist() == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    (averaged,) = DapQ(pooling="avg", kernel=3).prefill_scores([None], ctx)
+    np.testing.assert_allclose(np.asarray(averaged)[0, 0, 4:7], [1 / 3] * 3)
+    assert float(np.asarray(averaged)[0, 0, 12:].max()) == 0.0  # padding stays out
+    with pytest.raises(ValueError, match="pooling"):
+        DapQ(pooling="mean")
 
 
 @pytest.fixture(scope="module")

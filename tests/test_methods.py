@@ -43,8 +43,10 @@ CASES: dict[str, Callable[[float], KVMethod]] = {
     **{name: (lambda budget, cls=cls: cls()) for name, cls in METHODS.items()},
     "snapkv_window8_avg": lambda budget: SnapKV(window=8, pooling="avg"),
     "pyramidkv_window4": lambda budget: PyramidKV(window=4),
+    "pyramidkv_window_inside": lambda budget: PyramidKV(window=4, allotment="pyramid"),
     "dapq_last": lambda budget: DapQ(content="last", num_pseudo=8),
     "dapq_random": lambda budget: DapQ(content="random", num_pseudo=8),
+    "dapq_max_pooled": lambda budget: DapQ(num_pseudo=8, pooling="max"),
     "pask_policy": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget),
     "pask_policy_dapq_rank": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget, rank="dapq"),
 }
@@ -101,7 +103,7 @@ def test_prefill_keeps_unique_valid_entries(model: Qwen3, name: str):
             live = pos[idx][table[idx][: length[idx]]]
             assert len(set(live)) == len(live), "kept entries must be unique"
             assert (live >= 0).all() and (live < lengths[idx[1]]).all(), "kept entries must be real prompt tokens"
-            quota = max(int(np.floor(engine.fractions[start + idx[0]] * lengths[idx[1]])), 1)
+            quota = max(int(np.floor(engine.plan.allowance(start + idx[0], lengths[idx[1]]))), 1)
             assert length[idx] == min(quota, cache.capacity)
 
 

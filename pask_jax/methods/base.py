@@ -2,9 +2,11 @@
 
 A method is a small object whose hooks run inside the engine's jitted prefill and decode step:
 
-- `layer_fractions`: the share of the current full length each layer may keep (mean over layers = budget b).
-  The engine sizes each layer group's capacity from it and enforces, per (layer, sequence, KV head), the running cap
-  `kept_l(t) <= floor(fraction_l * (P + t))` after every step; the token being written is the only slack.
+- `layer_fractions`: the share of the current full length each layer may keep (mean over layers = budget b), and
+  `keep_allowance`, the entries that share allows at a full length n (default `fraction_l * n`; PyramidKV's
+  KVCache-Factory allotment adds the window on top). The engine sizes each layer group's capacity from it and
+  enforces, per (layer, sequence, KV head), the running cap `kept_l(t) <= floor(allowance_l(P + t))` after every
+  step; the token being written is the only slack.
 - `prefill_observe` (per layer, during the prompt pass) and `prefill_scores` (after it): a score per prompt entry,
   f32[B, K, P]; the engine keeps the top `floor(fraction_l * P)` entries of each (sequence, KV head).
 - `new_token_score`, `update_scores` (with the step's attention weights, only if `needs_decode_attention`) and
@@ -57,6 +59,12 @@ class KVMethod:
     def layer_fractions(self, num_layers: int, budget: float) -> np.ndarray:
         return np.full(num_layers, budget)
 
+    def keep_allowance(self, fraction: float, budget: float, full: jax.Array) -> jax.Array:
+        """Entries a layer with keep `fraction` may hold at full length `full` (any shape), before the floor.
+
+        Non-decreasing in `full`; its mean over layers is `budget * full`."""
+        return fraction * full
+
     def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array | None:
         """q f[B, T, N, H], k f[B, T, K, H] of one layer's prompt pass -> scores f32[B, K, T] or None."""
         return None
@@ -91,7 +99,12 @@ def budget_capacity(prompt_len: int, max_new_tokens: int, fraction: float) -> in
     """Slots per (layer, sequence, KV head) that a layer keeping `fraction` of the full length needs at the end."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"budget={fraction} must be in (0, 1]")
-    return min(math.ceil(round(fraction * (prompt_len + max_new_tokens), 6)), prompt_len + max_new_tokens) + SLACK
+    return allowance_capacity(fraction * (prompt_len + max_new_tokens), prompt_len + max_new_tokens)
+
+
+def allowance_capacity(allowance: float, full: int) -> int:
+    """Slots for a layer allowed `allowance` entries at its final full length `full`, plus the token being written."""
+    return min(math.ceil(round(float(allowance), 6)), full) + SLACK
 
 
 def recency_priority(pos: jax.Array, sinks: int = 0) -> jax.Array:

@@ -14,6 +14,8 @@ positions hurts, the content matters little):
   tokens; "last": its last N tokens; "random": N prompt tokens drawn uniformly with `seed` (same draw for every
   sequence, so a batch scores each sequence as it would alone). Short prompts repeat tokens (indices are clipped).
 - `position_offset` = 0: extra shift of the pseudo positions (ablation only).
+- `pooling` = "none": the raw scores, as the paper describes; "max" / "avg" pool them along the keys with `kernel`
+  = 7 as SnapKV does (the pooling a SnapKV-derived implementation may add; tuned on dev like every option).
 
 Decode rule: SnapKV's (`prompt_first_priority`): generated tokens enter, the lowest-scored prompt entry leaves, and
 once no prompt entry is left the oldest generated entry.
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pask_jax.methods.base import KVMethod, PrefillContext
-from pask_jax.methods.snapkv import prompt_first_priority
+from pask_jax.methods.snapkv import POOLINGS, pool_keys, prompt_first_priority
 
 CONTENTS = ("first_last", "last", "random")
 
@@ -41,12 +43,16 @@ class DapQ(KVMethod):
     first: int = 4  # "first_last": how many of the N come from the prompt's start
     position_offset: int = 0  # pseudo positions start at P_b + offset
     seed: int = 0  # "random" content
+    pooling: str = "none"  # or "max" / "avg" along the keys
+    kernel: int = 7
 
     def __post_init__(self) -> None:
         if self.content not in CONTENTS:
             raise ValueError(f"DapQ content={self.content!r} must be one of {CONTENTS}")
         if self.num_pseudo < 1 or not 0 <= self.first <= self.num_pseudo:
             raise ValueError(f"DapQ needs num_pseudo >= 1 and 0 <= first <= num_pseudo, got {self}")
+        if self.pooling not in ("none", *POOLINGS):
+            raise ValueError(f"DapQ pooling={self.pooling!r} must be 'none' or one of {POOLINGS}")
 
     def pseudo_queries(self, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
         """tokens i32[B, T] right-padded prompts, lengths i32[B] -> pseudo tokens and positions, i32[B, N] each."""
@@ -64,7 +70,11 @@ class DapQ(KVMethod):
         return jnp.take_along_axis(tokens, index, axis=1), p + self.position_offset + i
 
     def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
-        return list(ctx.extra_query_scores(*self.pseudo_queries(ctx.tokens, ctx.lengths)))
+        scores = ctx.extra_query_scores(*self.pseudo_queries(ctx.tokens, ctx.lengths))
+        if self.pooling == "none":
+            return list(scores)
+        prompt = (jnp.arange(ctx.tokens.shape[1]) < ctx.lengths[:, None])[:, None]  # bool[B, 1, T]
+        return [jnp.where(prompt, pool_keys(s, prompt, self.kernel, self.pooling), 0.0) for s in scores]
 
     def eviction_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
         return prompt_first_priority(scores, pos, prompt_len)

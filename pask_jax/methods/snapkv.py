@@ -47,19 +47,24 @@ def window_scores(
     summed = attention_probs(q_win, k, mask).sum(axis=(2, 3))  # [B, K, T] over the GQA group and the window
     start = jnp.maximum(lengths - window, 0)[:, None, None]  # first window position
     prefix = keys < start
-    padding = ((0, 0), (0, 0), (kernel // 2, (kernel - 1) // 2))
-    if pooling == "max":
-        pooled = jax.lax.reduce_window(
-            jnp.where(prefix, summed, -jnp.inf), -jnp.inf, jax.lax.max, (1, 1, kernel), (1, 1, 1), padding
-        )
-    else:
-        pooled = (
-            jax.lax.reduce_window(jnp.where(prefix, summed, 0.0), 0.0, jax.lax.add, (1, 1, kernel), (1, 1, 1), padding)
-            / kernel
-        )
+    pooled = pool_keys(summed, prefix, kernel, pooling)
     in_window = (keys >= start) & (keys < lengths[:, None, None])
     protected = PROTECTED * (1.0 + 1e-3 * (keys - start + 1) / window)  # distinct in float32, newest highest
     return jnp.where(in_window, protected, jnp.where(prefix, pooled, 0.0)).astype(jnp.float32)
+
+
+def pool_keys(scores: jax.Array, inside: jax.Array, kernel: int, pooling: str) -> jax.Array:
+    """Pool f32[B, K, T] scores along the keys (stride 1, same padding) over the keys where `inside` holds.
+
+    "max": positions outside count as -inf (PyTorch's max_pool1d padding); "avg": as 0, divided by the kernel
+    (avg_pool1d with count_include_pad)."""
+    padding = ((0, 0), (0, 0), (kernel // 2, (kernel - 1) // 2))
+    if pooling == "max":
+        return jax.lax.reduce_window(
+            jnp.where(inside, scores, -jnp.inf), -jnp.inf, jax.lax.max, (1, 1, kernel), (1, 1, 1), padding
+        )
+    summed = jax.lax.reduce_window(jnp.where(inside, scores, 0.0), 0.0, jax.lax.add, (1, 1, kernel), (1, 1, 1), padding)
+    return summed / kernel
 
 
 def prompt_first_priority(scores: jax.Array, pos: jax.Array, prompt_len: jax.Array) -> jax.Array:
