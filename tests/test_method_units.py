@@ -269,3 +269,16 @@ def test_methods_are_registered_and_hashable():
         assert METHODS[name]().name == name
     for method in (H2O(), SnapKV(), PyramidKV(), DapQ(), FullKV()):
         assert method == type(method)() and hash(method) == hash(type(method)())
+
+
+def test_a_method_config_file_layers_on_the_packaged_defaults(tmp_path):
+    from pask_jax.methods import load_method_config
+
+    path = tmp_path / "sweep.toml"
+    path.write_text('[snapkv]\nwindow = 8\n["snapkv:avg"]\npooling = "avg"\n')
+    packaged, layered = load_method_config(), load_method_config(path)
+    assert layered["snapkv"] == packaged["snapkv"] | {"window": 8}  # kernel and pooling stay the packaged ones
+    assert layered["snapkv:avg"] == {"pooling": "avg"} and layered["pask:dapq_rank"] == packaged["pask:dapq_rank"]
+    path.write_text("[snapkvv]\nwindow = 8\n")
+    with pytest.raises(ValueError, match="unknown method"):
+        load_method_config(path)

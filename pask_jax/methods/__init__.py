@@ -22,16 +22,21 @@ METHODS: dict[str, type[KVMethod]] = {
 
 
 def load_method_config(path: str | Path | None = None) -> dict[str, dict]:
-    """Per-method hyper-parameter overrides from a TOML file (default: the packaged `pask_jax/configs/methods.toml`).
+    """Per-method hyper-parameters: the packaged `pask_jax/configs/methods.toml`, with a TOML file's values on top
+    (a section of `path` updates the packaged section of the same name key by key).
 
     A section is a method name, or `name:LABEL` for one labelled variant in a sweep (e.g. `["pask:dapq_rank"]`)."""
-    if path is None:
-        text, path = DEFAULT_METHOD_CONFIG.read_text(), DEFAULT_METHOD_CONFIG
-    else:
+    config = _read_method_config(DEFAULT_METHOD_CONFIG.read_text(), DEFAULT_METHOD_CONFIG)
+    if path is not None:
         path = Path(path)
         if not path.exists():
             raise ValueError(f"method config {path} does not exist")
-        text = path.read_text()
+        for section, values in _read_method_config(path.read_text(), path).items():
+            config[section] = config.get(section, {}) | values
+    return config
+
+
+def _read_method_config(text: str, path) -> dict[str, dict]:
     config = tomllib.loads(text)
     unknown = sorted(s for s in config if s.partition(":")[0] not in METHODS)
     if unknown:
