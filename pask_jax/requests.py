@@ -200,6 +200,19 @@ def parse_request(body: Any, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) ->
     )
 
 
+def bfcl_request_body(item: dict, max_tokens: int = DEFAULT_MAX_TOKENS) -> dict:
+    """A BFCL item as a user would send it: its first turn's messages and its functions as OpenAI tools (with BFCL's
+    Python hint in each description), a call required, greedy."""
+    tools = [{"type": "function", "function": bfcl_function(f)} for f in bfcl_python_functions(item["function"])]
+    return {
+        "messages": item["question"][0],
+        "tools": tools,
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PreparedRequest:
     """What the engine needs for one request."""

@@ -328,3 +328,24 @@ def test_bench_usage_and_unknown_benchmark(capsys):
         with pytest.raises(SystemExit) as exit_info:
             pask_jax.bench.main(argv)
         assert exit_info.value.code == 2 and "pask-jax bench {serving" in capsys.readouterr().err
+
+
+def test_entrypoints_bench_runs_both_paths_on_the_same_items(tiny_qwen_vocab, qwen_tok, capsys):
+    from pask_jax.bench.entrypoints import compare_entrypoints
+    from pask_jax.evaluate import EvalConfig
+    from pask_jax.llm import LLM
+    from pask_jax.models.chat_template import ChatTemplate
+
+    template = ChatTemplate((Path(__file__).parent / "data" / "qwen2.5_instruct.jinja").read_text(), "<|im_end|>")
+    llm = LLM(tiny_qwen_vocab, method="full", tokenizer=qwen_tok, chat_template=template, policy=None, max_batch=4)
+    cfg = EvalConfig(categories=("simple_python",), limit=2, split="dev", max_new_tokens=6, batch_size=4)
+    result = compare_entrypoints(llm, cfg, repeats=1)
+    ids = [item["id"] for item in cfg.sample("simple_python")]
+    assert result["item_ids"] == ids and result["items"] == 2 and len(result["timed"]) == 1
+    for side in ("run", "bfcl"):
+        assert sorted(result["calls"][side]) == sorted(ids)  # every item answered on both paths
+        timed = result["timed"][0][side]
+        assert 0 < timed["tokens"] <= 2 * 6 and timed["wall_s"] > 0 and timed["failed"] == 0
+        assert result[f"{side}_tokens_per_s"] == timed["tokens"] / timed["wall_s"]
+    assert result["run_over_bfcl"] == result["run_tokens_per_s"] / result["bfcl_tokens_per_s"]
+    assert "round 1:" in capsys.readouterr().out

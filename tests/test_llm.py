@@ -170,23 +170,11 @@ def test_bfcl_items_as_openai_requests_make_the_same_calls_as_the_bfcl_harness()
     (the template adds Qwen's default system message and the tool envelope), so identity is not guaranteed."""
     from pask_jax import bfcl
     from pask_jax.evaluate import EvalConfig, run_bfcl
-    from pask_jax.models.chat_template import bfcl_python_functions
-    from pask_jax.structure import bfcl_function
+    from pask_jax.requests import bfcl_request_body
 
     llm = LLM("qwen2.5-coder-0.5b", method="full", max_batch=8)
     items = [it for c in ("simple_python", "multiple") for it in bfcl.evaluation_sample(c, 0, 4)]
-    bodies = [
-        {
-            "messages": it["question"][0],
-            "tools": [
-                {"type": "function", "function": bfcl_function(f)} for f in bfcl_python_functions(it["function"])
-            ],
-            "tool_choice": "required",
-            "temperature": 0,
-            "max_tokens": 128,
-        }
-        for it in items
-    ]
+    bodies = [bfcl_request_body(it, max_tokens=128) for it in items]
     ours = [
         [
             (c["function"]["name"], json.loads(c["function"]["arguments"]))

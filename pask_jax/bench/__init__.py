@@ -4,6 +4,7 @@
 - `decode`: prefill and decode throughput of the engine vs transformers' `generate` (needs torch, transformers).
 - `kernel`: decode-step attention time vs KV capacity (XLA reference, compacted pool, Pallas kernels).
 - `cache`: KV-cache bytes vs budget for a model preset, from shapes alone.
+- `entrypoints`: `pask-jax run` against `pask-jax bfcl` on the same BFCL items (tokens/s, same calls).
 
 `pask-jax bench BENCHMARK --help` lists a benchmark's own arguments.
 """
@@ -18,12 +19,13 @@ BENCHMARKS = {
     "decode": "prefill / decode throughput vs transformers' generate",
     "kernel": "decode-step attention time vs KV capacity",
     "cache": "KV-cache bytes vs budget, from shapes alone",
+    "entrypoints": "`run` vs `bfcl` tokens/s on the same items",
 }
 USAGE = (
     "usage: pask-jax bench {"
     + ",".join(BENCHMARKS)
     + "} [ARGS]\n\n"
-    + "\n".join(f"  {name:<8} {about}" for name, about in BENCHMARKS.items())
+    + "\n".join(f"  {name:<11} {about}" for name, about in BENCHMARKS.items())
 )
 
 
