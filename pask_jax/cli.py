@@ -65,6 +65,8 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         framing=args.framing,
         split=args.split,
         split_rule=args.split_rule,
+        context=args.context,
+        layout=args.layout,
     )
     from pask_jax.methods import load_method_config
     from pask_jax.policy import PersistencePolicy
@@ -216,6 +218,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--framing", default="tool_call", choices=["tool_call", "json_fence"])
+    p.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        help="> 0: long prompts of at most this many tokens, each item's tools among distractor tools, every tool "
+        "in the grammar",
+    )
+    p.add_argument("--layout", default="question_last", choices=["question_last", "question_first"])
     p.add_argument(
         "--policy",
         action="append",

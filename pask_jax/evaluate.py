@@ -7,11 +7,17 @@ instead (`bfcl.dev_sample`), for tuning a method without looking at evaluation i
 results. A policy calibrated on items outside the calibration part of the run's split rule is refused.
 Each batch gets one compiled grammar per item (its own functions), the prompt roles of its tokens, and the engine's
 per-request statistics (kept/full KV ratios, token counts, times).
+
+`context=N` turns each item into a long prompt of at most N tokens (`pask_jax.long_context`): its tools list filled
+with distractor functions, the question after (`layout="question_last"`) or before (`"question_first"`) the tools,
+and the grammar allowing every tool in the prompt, as a user's request would. The time to build the prompts and
+compile their grammars is recorded per category (`prepare_s`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -21,11 +27,12 @@ from tqdm.auto import tqdm
 from pask_jax import bfcl
 from pask_jax.engine import Engine, SamplingConfig, generate_shared
 from pask_jax.factory import make_engine
+from pask_jax.long_context import LAYOUTS, item_seed, long_context_prompt
 from pask_jax.methods import METHODS
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
-from pask_jax.requests import RequestBuilder
+from pask_jax.requests import PreparedRequest, RequestBuilder
 from pask_jax.structure import GrammarConstraint
 
 
@@ -42,12 +49,16 @@ class EvalConfig:
     num_groups: int = 4
     split: str = "evaluation"  # or "dev": dev items, for tuning
     split_rule: str = bfcl.SPLIT_RULE  # "item-hash" reproduces results scored under the earlier per-item split
+    context: int = 0  # > 0: long prompts of at most this many tokens, every tool in the grammar
+    layout: str = "question_last"  # long prompts: the question after the tools list, or "question_first"
 
     def __post_init__(self) -> None:
         if self.split not in bfcl.SPLITS:
             raise ValueError(f"split={self.split!r}; choose one of {', '.join(bfcl.SPLITS)}")
         if self.split_rule not in bfcl.SPLIT_RULES:
             raise ValueError(f"split_rule={self.split_rule!r}; choose one of {', '.join(bfcl.SPLIT_RULES)}")
+        if self.context < 0 or self.layout not in LAYOUTS:
+            raise ValueError(f"context={self.context} must be >= 0 and layout={self.layout!r} one of {LAYOUTS}")
 
     def sample(self, category: str) -> list[dict]:
         sample = bfcl.dev_sample if self.split == "dev" else bfcl.evaluation_sample
@@ -95,6 +106,14 @@ def _category_run(items: list[dict], parser_s: float, decode_s: float, steps: in
     }
 
 
+def _prepare(item: dict, tokenizer: Tokenizer, cfg: EvalConfig) -> PreparedRequest:
+    builder = RequestBuilder(tokenizer, None)
+    if not cfg.context:
+        return builder.prepare_bfcl(item, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
+    messages, tools = long_context_prompt(item, tokenizer, cfg.context, item_seed(item["id"]), cfg.layout)
+    return builder.prepare_tool_prompt(messages, tools, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
+
+
 def run_category(
     engines: dict[tuple[str, float], Engine],
     tokenizer: Tokenizer,
@@ -105,8 +124,9 @@ def run_category(
 ) -> list[dict]:
     """One category through every engine; each batch's grammars, prompt roles and prefill are shared by all."""
     answers = bfcl.load_answers(category)
-    builder = RequestBuilder(tokenizer, None)
-    prepared = [builder.prepare_bfcl(item, max_tokens=cfg.max_new_tokens, framing=cfg.framing) for item in items]
+    start_prepare = time.perf_counter()
+    prepared = [_prepare(item, tokenizer, cfg) for item in items]
+    prepare_s = time.perf_counter() - start_prepare
     order = np.argsort([len(p.ids) for p in prepared], kind="stable")  # similar lengths share a batch: less padding
     results = {key: [None] * len(items) for key in engines}
     timing = {key: [0.0, 0.0, 0, 0.0] for key in engines}  # parser s, decode s, steps, wall s
@@ -135,6 +155,7 @@ def run_category(
             progress.update(len(idx) * len(engines))
     return [
         {"method": method, "budget": budget, "category": category, "wall_s": round(timing[(method, budget)][3], 1)}
+        | {"prepare_s": round(prepare_s, 2)}
         | _category_run(results[(method, budget)], *timing[(method, budget)][:3])
         for method, budget in engines
     ]

@@ -185,22 +185,6 @@ def test_workload_names_and_synthetic_prompts():
     assert prompts == [*w.prompts, *w.prompts[:2]] and roles == [*w.roles, *w.roles[:2]] and grammars is None
 
 
-def test_long_context_prompt_fills_the_tools_list_up_to_the_target():
-    from pask_jax import bfcl, load_tokenizer
-    from pask_jax.models.chat_template import bfcl_prompt
-    from pask_jax.structure import prompt_roles
-
-    tokenizer = load_tokenizer("qwen")
-    item = bfcl.evaluation_sample("simple_python", 0, 1)[0]
-    text, tools = workloads.long_context_prompt(item, tokenizer, 2048, seed=0)
-    n = len(tokenizer.encode(text))
-    assert 0.9 * 2048 <= n <= 2048, n
-    names = [t["name"] for t in tools]
-    assert item["function"][0]["name"] in names and len(names) == len(set(names)) > 5
-    assert len(prompt_roles(text, tokenizer, item["question"][0], tools)) == n
-    assert n > 3 * len(tokenizer.encode(bfcl_prompt(item)))
-
-
 def test_machine_and_code_state():
     info = machine.machine_info()
     assert info["cpu_count"] >= info["cpu_affinity"] >= 1 and info["jax"] == jax.__version__

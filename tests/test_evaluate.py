@@ -74,3 +74,20 @@ def test_labelled_pask_variants_take_their_own_policy_else_the_pask_one(tiny_qwe
     assert pask.floor == s4.floor == tuple(map(tuple, main.table(0.5).floor.tolist()))
     assert (pask.sinks, s4.sinks) == (1, 4)
     assert no_floors.floor == tuple(map(tuple, ablated.table(0.5).floor.tolist())) != pask.floor
+
+
+def test_long_context_items_list_distractors_and_the_grammar_allows_every_tool(tiny_qwen: Qwen3):
+    from pask_jax.evaluate import _prepare
+
+    item = bfcl.evaluation_sample("simple_python", 0, 1)[0]
+    tok = qwen_tokenizer()
+    short = _prepare(item, tok, EvalConfig(max_new_tokens=8))
+    long = _prepare(item, tok, EvalConfig(max_new_tokens=8, context=700, layout="question_first"))
+    assert len(short.ids) < 350 < len(long.ids) <= 700
+    assert set(short.grammar.function_names) < set(long.grammar.function_names)  # every listed tool, not only its own
+    assert all(f'"name": "{name}"' in long.text for name in long.grammar.function_names)
+    cfg = EvalConfig(categories=("simple_python",), limit=1, max_new_tokens=4, context=700)
+    (run,) = run_bfcl(tiny_qwen, tok, "tiny", cfg)["runs"]
+    assert run["prepare_s"] > 0 and 350 < run["items"][0]["prompt_tokens"] <= 700
+    with pytest.raises(ValueError, match="layout"):
+        EvalConfig(context=700, layout="middle")

@@ -2,10 +2,9 @@
 
 - `bfcl`: the first `pool` evaluation items taken round-robin over the BFCL categories, each prompt with its own
   tools and its own grammar.
-- `<N>k` / `<N>` (e.g. `2k`, `512`): long-context prompts where the KV cache dominates. One BFCL question whose tools
-  list carries, besides its own functions, distractor functions from other evaluation items (deduplicated by name, in
-  a seeded order, the item's own functions at a seeded place among them) until the prompt reaches N tokens (at most N,
-  so every prompt falls in the N-token length bucket). The grammar allows the item's own functions only: the
+- `<N>k` / `<N>` (e.g. `2k`, `512`): long-context prompts where the KV cache dominates (`pask_jax.long_context`): one
+  BFCL question whose tools list carries distractor functions until the prompt reaches N tokens (at most N, so every
+  prompt falls in the N-token length bucket). The grammar allows the item's own functions only: for speed, the
   distractors lengthen the context, not the grammar.
 - synthetic (no tokenizer, the random tiny model): random token prompts of the same lengths, no grammar, no roles.
 """
@@ -13,13 +12,12 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 
 import numpy as np
 
 from pask_jax import bfcl
 from pask_jax.engine import length_bucket
+from pask_jax.long_context import long_context_prompt
 from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions, format_tool_prompt
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.requests import RequestBuilder
@@ -99,49 +97,14 @@ def bfcl_workload(tokenizer: Tokenizer, pool: int) -> Workload:
     return _from_texts("bfcl", "BFCL evaluation prompts as they are, each with its own tools", tokenizer, entries)
 
 
-@functools.cache
-def _distractor_pool(tokenizer: Tokenizer) -> tuple[tuple[dict, int], ...]:
-    """Every evaluation item's functions (BFCL-preprocessed, deduplicated by name) with their tokens in a prompt."""
-    seen, out = set(), []
-    for category in bfcl.CATEGORIES:
-        for item in bfcl.evaluation_sample(category, 0, None):
-            for function in bfcl_python_functions(item["function"]):
-                if function["name"] not in seen:
-                    seen.add(function["name"])
-                    out.append((function, len(tokenizer.encode("\n" + json.dumps(function)))))
-    return tuple(out)
-
-
-def long_context_prompt(item: dict, tokenizer: Tokenizer, target: int, seed: int) -> tuple[str, list[dict]]:
-    """One BFCL question whose tools list is filled with distractor functions up to at most `target` tokens."""
-    own = bfcl_python_functions(item["function"])
-    names = {f["name"] for f in own}
-    rng = np.random.default_rng(seed)
-    pool = [p for p in _distractor_pool(tokenizer) if p[0]["name"] not in names]
-    budget = target - len(tokenizer.encode(bfcl_prompt(item)))
-    chosen = []
-    for i in rng.permutation(len(pool)):
-        if pool[i][1] <= budget:
-            chosen.append(pool[i][0])
-            budget -= pool[i][1]
-    at = int(rng.integers(len(chosen) + 1))
-    while True:  # the per-function estimate ignores merges across lines: drop distractors until it fits
-        tools = chosen[:at] + own + chosen[at:]
-        text = format_tool_prompt(item["question"][0], tools)
-        if len(tokenizer.encode(text)) <= target or not chosen:
-            return text, tools
-        chosen.pop()
-        at = min(at, len(chosen))
-
-
 def long_context_workload(name: str, tokenizer: Tokenizer, target: int, pool: int, seed: int) -> Workload:
     fitting = [it for it in evaluation_items(8 * pool) if len(tokenizer.encode(bfcl_prompt(it))) <= target // 2]
     if not fitting:
         raise ValueError(f"workload {name!r}: no BFCL question fits in half of {target} tokens; use a longer target")
     entries = []
     for k, item in enumerate(fitting[:pool]):
-        text, tools = long_context_prompt(item, tokenizer, target, seed + k)
-        entries.append((item, text, tools))
+        messages, tools = long_context_prompt(item, tokenizer, target, seed + k)
+        entries.append((item, format_tool_prompt(messages, tools), tools))
     description = (
         f"one BFCL question per prompt, its tools list filled with distractor functions up to {target} tokens; "
         "grammar over the item's own functions"

@@ -1,0 +1,46 @@
+"""Long tool-calling prompts: distractor tools up to a target length, the question before or after the tools."""
+
+from __future__ import annotations
+
+import pytest
+
+from pask_jax import bfcl, load_tokenizer
+from pask_jax.long_context import QUESTION_FIRST_ASK, item_seed, long_context_prompt, question_messages
+from pask_jax.models.chat_template import bfcl_prompt, format_tool_prompt
+from pask_jax.structure import prompt_roles
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("qwen")
+
+
+@pytest.mark.parametrize("layout", ["question_last", "question_first"])
+def test_the_tools_list_fills_up_to_the_target(tokenizer, layout: str):
+    item = bfcl.evaluation_sample("simple_python", 0, 1)[0]
+    messages, tools = long_context_prompt(item, tokenizer, 2048, seed=0, layout=layout)
+    text = format_tool_prompt(messages, tools)
+    n = len(tokenizer.encode(text))
+    assert 0.9 * 2048 <= n <= 2048, n
+    names = [t["name"] for t in tools]
+    assert item["function"][0]["name"] in names and len(names) == len(set(names)) > 5
+    assert len(prompt_roles(text, tokenizer, messages, tools)) == n
+    assert n > 3 * len(tokenizer.encode(bfcl_prompt(item)))
+    question = item["question"][0][-1]["content"]
+    tools_at = text.index("<tools>")
+    if layout == "question_first":  # the question sits before the tools list, the last turn only asks for the call
+        assert text.index(question) < tools_at and text.rindex(QUESTION_FIRST_ASK) > tools_at
+    else:
+        assert text.rindex(question) > tools_at
+    assert long_context_prompt(item, tokenizer, 2048, seed=0, layout=layout) == (messages, tools)  # deterministic
+
+
+def test_question_first_keeps_a_system_message_and_refuses_unknown_layouts():
+    item = {"question": [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]]}
+    (system, user) = question_messages(item, "question_first")
+    assert system["content"].startswith("Be brief.\n\n") and system["content"].endswith("Weather?")
+    assert user == {"role": "user", "content": QUESTION_FIRST_ASK}
+    assert question_messages(item, "question_last") == item["question"][0]
+    with pytest.raises(ValueError, match="layout"):
+        question_messages(item, "middle")
+    assert item_seed("simple_python_1") == item_seed("simple_python_1") != item_seed("simple_python_2")
