@@ -230,6 +230,7 @@ def run_bfcl(
     config = dataclasses.asdict(cfg) | {"method_config": method_config}
     config["policies"] = {
         label: {"model": p.model, "groups": p.groups, "budgets": [t.budget for t in p.tables], "notes": p.notes}
+        | {"content_hash": p.content_hash()}
         for label, p in policies.items()
     }
     runs = []
