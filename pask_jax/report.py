@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pask_jax import bfcl
+from pask_jax.protocol import choose_variants, dev_totals, method_of
 
 RESAMPLES = 10_000
 SEED = 0
@@ -468,6 +469,126 @@ def dev_compiler(root: Path) -> str:
     )
     head = ["label", "policy", "b", *NON_PARALLEL, "correct"]
     return _block(claim, _table(head, rows))
+
+
+# ---- BFCL: the schema split, every method tuned on dev by one rule, frozen, then scored ---------------------------
+
+DEV_TUNING = "results/dev_tuning/dev_b033.json"
+SCHEMA_EVAL = "results/bfcl_schema_eval.json"
+TUNING_BUDGET = 0.33
+METHOD_NAMES = {"streamingllm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "pyramidkv": "PyramidKV"}
+METHOD_NAMES |= {"dapq": "DapQ", "pask": "PASK", "full": "full KV"}
+
+
+def _settings(result: dict, spec: str) -> str:
+    """A spec's hyper-parameters as the run used them: its section over its method's (PASK: plus its policy)."""
+    method, _, label = spec.partition(":")
+    config = result["config"]["method_config"]
+    values = config.get(method, {}) | config.get(spec, {})
+    text = ", ".join(f"{k}={v}" for k, v in values.items()) or "-"
+    if method == "pask":
+        policies = result["config"]["policies"]
+        policy = policies.get(label, policies.get("pask"))
+        option = re.findall(r"--(tolerance|floor-share) ([0-9.]+)", policy["notes"]) if policy else []
+        text += "; policy " + (", ".join(f"{k} {v}" for k, v in option) or "default compile")
+    return text
+
+
+def dev_tuning_b033(root: Path) -> str:
+    """Every method's variants on the dev items at b = 0.33, the rule's choice marked."""
+
+    result = load_json(root, DEV_TUNING)
+    for spec, b in _keys(result):
+        if any(bfcl.part_of(i["id"]) != "dev" for i in items_of(result, spec, b)):
+            raise ReportError(f"{DEV_TUNING}: {spec} scores items outside the schema split's dev part")
+    chosen = choose_variants(result, TUNING_BUDGET)
+    totals = dev_totals(result, TUNING_BUDGET)
+    rows = []
+    for spec, (correct, n) in totals.items():
+        scores = category_scores(result, spec, 1.0 if spec == "full" else TUNING_BUDGET)
+        cells = [f"{scores[c][0]}/{scores[c][1]}" for c in NON_PARALLEL if c in scores]
+        mark = "**chosen**" if chosen.get(method_of(spec)) == spec else ""
+        rows.append([spec, _settings(result, spec), *cells, f"{correct}/{n}", mark])
+    (n,) = {n for _, n in totals.values()}
+    claim = (
+        f"On {n} dev items at b = {TUNING_BUDGET:g} (full KV {totals['full'][0]}), the rule chose "
+        + ", ".join(f"{spec} ({totals[spec][0]})" for spec in chosen.values())
+        + "."
+    )
+    head = ["variant", "settings", *NON_PARALLEL, "correct", ""]
+    return _block(claim, _table(head, rows))
+
+
+def _frozen_eval(root: Path) -> tuple[dict, dict[str, str], list[str]]:
+    """The evaluation result, the dev rule's choice per method, and the categories where full KV scores above 0.
+
+    Refuses a result that scored any variant the rule did not choose, or any item outside the evaluation part."""
+    result = load_json(root, SCHEMA_EVAL)
+    chosen = choose_variants(load_json(root, DEV_TUNING), TUNING_BUDGET)
+    scored = {spec for spec, _ in _keys(result)} - {"full"}
+    if stray := sorted(scored - set(chosen.values())):
+        raise ReportError(f"{SCHEMA_EVAL} scores {stray}, which the dev rule did not choose ({chosen})")
+    for spec, b in _keys(result):
+        if any(bfcl.part_of(i["id"]) != "evaluation" for i in items_of(result, spec, b)):
+            raise ReportError(f"{SCHEMA_EVAL}: {spec} scores items outside the schema split's evaluation part")
+    full = category_scores(result, "full", 1.0)
+    positive = [c for c in bfcl.CATEGORIES if c in full and full[c][0] > 0]
+    return result, {m: spec for m, spec in chosen.items() if spec in scored}, positive
+
+
+def _eval_row(result: dict, spec: str, budget: float, positive: list[str]) -> list[str]:
+    scores = category_scores(result, spec, budget)
+    cells = [f"{100 * scores[c][0] / scores[c][1]:.0f}" if c in scores else "not run" for c in bfcl.CATEGORIES]
+    on_positive = sum(scores[c][0] / scores[c][1] for c in positive) / len(positive)
+    eight = sum(scores[c][0] / scores[c][1] for c in scores) / len(bfcl.CATEGORIES)  # a cut category counts 0
+    return [spec, f"{budget:g}", *cells, _pct(on_positive), _pct(eight)]
+
+
+def _best_tuned(result: dict, chosen: dict[str, str], budget: float, positive: list[str]) -> str:
+    """The tuned baseline with the most correct items over the full-KV-positive categories at `budget`."""
+    baselines = [spec for m, spec in chosen.items() if m != "pask"]
+    return max(baselines, key=lambda spec: sum(outcomes(result, spec, budget, positive).values()))
+
+
+def schema_eval(root: Path) -> str:
+    """Accuracy per category, the mean over the categories where full KV scores above 0 and the 8-category mean."""
+    result, chosen, positive = _frozen_eval(root)
+    full = category_scores(result, "full", 1.0)
+    rows = [_eval_row(result, "full", 1.0, positive)]
+    for budget in BUDGETS:
+        rows += [_eval_row(result, spec, budget, positive) for spec in chosen.values()]
+    cut = [c for c in bfcl.CATEGORIES if c not in positive]
+    items = sum(n for _, n in full.values())
+    parts = []
+    for budget in BUDGETS:
+        best = _best_tuned(result, chosen, budget, positive)
+        pask, base = (_eval_row(result, spec, budget, positive) for spec in (chosen["pask"], best))
+        parts.append(f"at b = {budget:g} PASK {pask[-2]}, best tuned baseline {best} {base[-2]}")
+    claim = (
+        f"On the frozen evaluation sample ({items} items of the schema split's evaluation part), full KV scores "
+        f"{rows[0][-2]} on the {len(positive)} categories where it scores above 0 ({', '.join(positive)}); "
+        + "; ".join(parts)
+        + f". Full KV scores 0 on {', '.join(cut) or 'none'}: the compressed methods were not run there (counted 0 "
+        "in the 8-category mean)."
+    )
+    head = ["method", "b", *bfcl.CATEGORIES, "mean where full KV > 0", "8-category mean"]
+    return _block(claim, _table(head, rows))
+
+
+def schema_paired(root: Path) -> str:
+    """PASK against the best tuned baseline and against full KV, item by item, on the full-KV-positive categories."""
+    result, chosen, positive = _frozen_eval(root)
+    full = outcomes(result, "full", 1.0, positive)
+    pask_spec = chosen["pask"]
+    rows = []
+    for budget in BUDGETS:
+        pask = outcomes(result, pask_spec, budget, positive)
+        best = _best_tuned(result, chosen, budget, positive)
+        rows.append(_paired_row(f"PASK vs {best}, b = {budget:g}", pask, outcomes(result, best, budget, positive)))
+        rows.append(_paired_row(f"PASK vs full KV, b = {budget:g}", pask, full))
+    parts = [f"{row[0].replace('PASK vs ', 'minus ')}: {row[6]} (p = {row[7]})" for row in rows]
+    claim = f"Item by item over the {rows[0][1]} items of {', '.join(positive)}, PASK's accuracy " + "; ".join(parts)
+    return _block(claim + ".", _table(["A vs B", *PAIRED_HEAD], rows))
 
 
 # ---- calibration ----------------------------------------------------------------------------------------------------
