@@ -67,6 +67,7 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         split_rule=args.split_rule,
         context=args.context,
         layout=args.layout,
+        **({"length_buckets": tuple(int(n) for n in args.length_buckets.split(","))} if args.length_buckets else {}),
     )
     from pask_jax.methods import load_method_config
     from pask_jax.policy import PersistencePolicy
@@ -226,6 +227,11 @@ def main(argv: list[str] | None = None) -> None:
         "in the grammar",
     )
     p.add_argument("--layout", default="question_last", choices=["question_last", "question_first"])
+    p.add_argument(
+        "--length-buckets",
+        help="comma-separated prompt lengths prefill pads to (default: the engine's, 1.5x apart); fewer buckets, "
+        "fewer compiles per method",
+    )
     p.add_argument(
         "--policy",
         action="append",

@@ -25,7 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pask_jax import bfcl
-from pask_jax.engine import Engine, SamplingConfig, generate_shared
+from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine, SamplingConfig, generate_shared
 from pask_jax.factory import make_engine
 from pask_jax.long_context import LAYOUTS, item_seed, long_context_prompt
 from pask_jax.methods import METHODS
@@ -51,6 +51,7 @@ class EvalConfig:
     split_rule: str = bfcl.SPLIT_RULE  # "item-hash" reproduces results scored under the earlier per-item split
     context: int = 0  # > 0: long prompts of at most this many tokens, every tool in the grammar
     layout: str = "question_last"  # long prompts: the question after the tools list, or "question_first"
+    length_buckets: tuple[int, ...] = DEFAULT_LENGTH_BUCKETS  # prompt lengths prefill pads to (fewer: fewer compiles)
 
     def __post_init__(self) -> None:
         if self.split not in bfcl.SPLITS:
@@ -193,6 +194,7 @@ def build_engines(
                 overrides=overrides,
                 num_groups=None if policy is not None else cfg.num_groups,
                 stop_token_ids=tokenizer.eos_token_ids,
+                length_buckets=cfg.length_buckets,
             )
     return engines
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pask_jax.engine import Engine
+from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine
 from pask_jax.methods import METHODS, load_method_config, make_method
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.policy import PersistencePolicy
@@ -28,6 +28,7 @@ def make_engine(
     use_kernel: bool = False,
     stop_token_ids: Sequence[int] = (),
     max_context: int | None = None,
+    length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
 ) -> Engine:
     """An engine running `method` (a name in `METHODS`) at total KV budget `budget`.
 
@@ -57,4 +58,5 @@ def make_engine(
         use_kernel=use_kernel,
         stop_token_ids=stop_token_ids,
         max_context=max_context,
+        length_buckets=length_buckets,
     )
