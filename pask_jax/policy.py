@@ -9,7 +9,11 @@ Online, PASK only looks entries up in this table (no attention statistics on the
 - `group_fractions[g]`: the share of the full length layer group g keeps (layer-weighted mean == budget).
 
 Saved as an orbax checkpoint (the arrays) plus `policy.json` (a readable summary carrying the model fingerprint,
-layer count, group count, role taxonomy version and the calibration item ids).
+layer count, group count, role taxonomy version, compile options and the calibration item ids), plus `stats.json`,
+the calibration statistics the tables came from (`CalibrationStats`; older policies carry none). A policy with
+statistics answers any budget in (0, 1]: `table(b)` for a budget it was not compiled for compiles that table from them
+with the policy's compile options (`pask_jax.policy_compiler`, milliseconds). On load, the statistics must reproduce
+the stored tables, so they cannot drift from what the policy does; `content_hash` covers the stored tables.
 
 A policy is known by what it fits, not by a name or path: `ModelFingerprint` (architecture, layers, heads, head size,
 hidden size, a hash of the tokenizer's token table, role taxonomy). Using a policy for a model with another
@@ -27,14 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
+from pask_jax.policy_compiler import CalibrationStats, CompileOptions, PolicyError, PolicyTable, compile_tables
 from pask_jax.structure.roles import TAXONOMY_VERSION, num_roles, role_names
 
 POLICY_FORMAT = "pask-policy-v1"
 SHIPPED_POLICIES = Path(str(importlib.resources.files("pask_jax") / "policies"))
-
-
-class PolicyError(ValueError):
-    """A policy that does not fit the model, taxonomy or budget asked for."""
+STATS_FILE = "stats.json"  # the calibration statistics, beside policy.json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,26 +80,6 @@ def vocabulary_hash(tokenizer) -> str:
     return digest.hexdigest()[:16]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
-class PolicyTable:
-    budget: float
-    floor: np.ndarray  # f32[R, G]
-    priority: np.ndarray  # f32[R, G] in [0, 1)
-    retain: np.ndarray  # bool[R, G]
-    group_fractions: np.ndarray  # f32[G]
-
-    def validate(self, roles: int, groups: int) -> None:
-        for name, shape in (("floor", (roles, groups)), ("priority", (roles, groups)), ("retain", (roles, groups))):
-            if getattr(self, name).shape != shape:
-                raise PolicyError(f"policy {name} has shape {getattr(self, name).shape}, expected {shape}")
-        if self.group_fractions.shape != (groups,):
-            raise PolicyError(f"group_fractions has shape {self.group_fractions.shape}, expected ({groups},)")
-        if not ((self.floor >= 0) & (self.floor <= 1)).all() or not ((self.priority >= 0) & (self.priority < 1)).all():
-            raise PolicyError("floors must lie in [0, 1] and priorities in [0, 1)")
-        if not ((self.group_fractions > 0) & (self.group_fractions <= 1)).all():
-            raise PolicyError(f"group fractions must lie in (0, 1]: {self.group_fractions}")
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class PersistencePolicy:
     model: str
@@ -109,12 +91,31 @@ class PersistencePolicy:
     calibration_items: tuple[str, ...] = ()
     notes: str = ""
     fits: ModelFingerprint | None = None
+    stats: CalibrationStats | None = None  # what the tables were compiled from (None: only `tables` are answered)
+    compile_options: CompileOptions | None = None  # how (None: not recorded; defaults when statistics are present)
+    _compiled_on_load: dict[float, PolicyTable] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     def table(self, budget: float) -> PolicyTable:
+        """The table for `budget`: a stored one, else one compiled from the statistics (PolicyError without them)."""
         for t in self.tables:
             if abs(t.budget - budget) < 1e-9:
                 return t
-        raise PolicyError(f"no policy table for budget {budget}; compiled budgets: {[t.budget for t in self.tables]}")
+        if not 0.0 < budget <= 1.0:
+            raise PolicyError(f"budget={budget} must be in (0, 1]")
+        if self.stats is None:
+            raise PolicyError(
+                f"no policy table for budget {budget}; compiled budgets: {[t.budget for t in self.tables]}, and the "
+                f"policy carries no calibration statistics ({STATS_FILE}) to compile another: recompile it with "
+                f"`pask-jax calibrate --stats STATS --budgets {budget} --out DIR` (STATS: the calibration's statistics "
+                "file, or a policy directory holding one), or calibrate anew with `pask-jax calibrate`, whose "
+                "policies carry their statistics and answer any budget"
+            )
+        key = round(float(budget), 9)
+        if key not in self._compiled_on_load:
+            (table,) = compile_tables(self.stats, [budget], self.compile_options or CompileOptions())
+            table.validate(num_roles(), self.groups)
+            self._compiled_on_load[key] = table
+        return self._compiled_on_load[key]
 
     def check_fits(self, fingerprint: ModelFingerprint) -> None:
         """Refuse a model this policy was not calibrated for, naming both fingerprints."""
@@ -152,6 +153,7 @@ class PersistencePolicy:
             "release_window": self.release_window,
             "calibration_items": list(self.calibration_items),
             "notes": self.notes,
+            "compile_options": dataclasses.asdict(self.compile_options) if self.compile_options else None,
             "tables": [
                 {
                     "budget": t.budget,
@@ -170,6 +172,9 @@ class PersistencePolicy:
         }
 
     def save(self, directory: str | Path) -> Path:
+        """Write the policy to `directory`. In a multi-process run every process calls it (orbax saves the arrays
+        collectively) and the first one writes the JSON files."""
+        import jax
         import orbax.checkpoint as ocp
 
         directory = Path(directory).absolute()
@@ -180,7 +185,12 @@ class PersistencePolicy:
         }
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(directory / "tables", arrays, force=True)
-        (directory / "policy.json").write_text(json.dumps(self.summary(), indent=1) + "\n")
+        if jax.process_index() == 0:
+            (directory / "policy.json").write_text(json.dumps(self.summary(), indent=1) + "\n")
+            if self.stats is not None:
+                self.stats.save(directory / STATS_FILE)
+            else:  # a stale file would make this policy answer budgets from another calibration
+                (directory / STATS_FILE).unlink(missing_ok=True)
         return directory
 
     @classmethod
@@ -196,6 +206,8 @@ class PersistencePolicy:
             raise PolicyError(f"{meta_path}: format {meta.get('format')!r}, expected {POLICY_FORMAT!r}")
         with ocp.StandardCheckpointer() as ckpt:
             arrays = ckpt.restore(directory / "tables")
+        stats = CalibrationStats.load(directory / STATS_FILE) if (directory / STATS_FILE).is_file() else None
+        options = meta.get("compile_options")
         tables = tuple(
             PolicyTable(
                 budget=float(arrays[f"b{i}"]["budget"]),
@@ -216,10 +228,34 @@ class PersistencePolicy:
             calibration_items=tuple(meta["calibration_items"]),
             notes=meta.get("notes", ""),
             fits=ModelFingerprint(**meta["fits"]) if meta.get("fits") else None,
+            stats=stats,
+            compile_options=CompileOptions(**options) if options else (CompileOptions() if stats else None),
         )
         for t in tables:
             t.validate(num_roles(), policy.groups)
+        if stats is not None:
+            policy._check_statistics(directory)
         return policy
+
+    def _check_statistics(self, source: Path) -> None:
+        """Refuse statistics that do not belong to the stored tables (another model, groups or compile options)."""
+        hint = (
+            f"{source / STATS_FILE} belongs to another calibration or compile options: remove it (the policy then "
+            f"answers only its compiled budgets) or recompile the policy from it with `pask-jax calibrate --stats "
+            f"{source / STATS_FILE} --out DIR`"
+        )
+        s = self.stats
+        if (s.num_layers, s.groups, s.taxonomy) != (self.num_layers, self.groups, self.taxonomy):
+            raise PolicyError(
+                f"statistics for {s.num_layers} layers in {s.groups} groups, roles {s.taxonomy}; the policy has "
+                f"{self.num_layers} layers in {self.groups} groups, roles {self.taxonomy}: {hint}"
+            )
+        again = compile_tables(s, [t.budget for t in self.tables], self.compile_options)
+        for stored, recompiled in zip(self.tables, again, strict=True):
+            for field in ("floor", "priority", "group_fractions", "retain"):
+                a, b = (np.asarray(getattr(t, field), np.float64) for t in (stored, recompiled))
+                if a.shape != b.shape or not np.allclose(a, b, rtol=0.0, atol=1e-6):
+                    raise PolicyError(f"the statistics do not reproduce the {field} of budget {stored.budget}: {hint}")
 
 
 def find_shipped_policy(fingerprint: ModelFingerprint, root: Path = SHIPPED_POLICIES) -> PersistencePolicy:

@@ -1,8 +1,14 @@
-"""Policy compiler and the online PASK method: budgets, floors, priorities, save/load, mismatches."""
+"""Policy compiler and the online PASK method: budgets, floors, priorities, save/load, statistics carried and any
+budget compiled on load, fingerprint mismatches."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,15 +16,60 @@ import pytest
 from conftest import synthetic_stats
 from flax import nnx
 
-from pask_jax.calibration.compiler import compile_policy, compile_table, pooled_stats
+from pask_jax.calibration.compiler import compile_policy
 from pask_jax.engine import Engine
 from pask_jax.methods.pask import PaskKV
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
-from pask_jax.policy import SHIPPED_POLICIES, ModelFingerprint, PersistencePolicy, PolicyError, find_shipped_policy
+from pask_jax.policy import (
+    SHIPPED_POLICIES,
+    ModelFingerprint,
+    PersistencePolicy,
+    PolicyError,
+    find_shipped_policy,
+    resolve_policy,
+)
+from pask_jax.policy_compiler import CalibrationStats, compile_table, pooled_stats
 from pask_jax.structure.roles import Role, num_roles
 
 REPO = Path(__file__).parents[1]
 R, G = num_roles(), 2
+SHIPPED = SHIPPED_POLICIES / "qwen2.5-coder-0.5b"
+SHIPPED_STATS = REPO / "results" / "calibration_qwen2.5-coder-0.5b_own16.json"  # what the shipped tables came from
+SHIPPED_HASH = "f6b37ea99aa9d004"  # the shipped policy's content hash, as published results name it
+
+
+def synthetic_calibration() -> CalibrationStats:
+    """conftest's synthetic statistics as a full `CalibrationStats` (what a saved policy carries)."""
+    s = synthetic_stats()
+    zeros = np.zeros_like(s.task_error)
+    return CalibrationStats(
+        task_error=s.task_error,
+        task_error_strict=zeros,
+        nll_delta=zeros,
+        distortion=s.distortion_per_entry * s.entries,
+        distortion_per_entry=s.distortion_per_entry,
+        entries=s.entries,
+        present=(s.entries > 0).astype(np.int64),
+        baseline_error=0.0,
+        baseline_error_strict=0.0,
+        baseline_nll=1.0,
+        n_items=len(s.item_ids),
+        model=s.model,
+        num_layers=s.num_layers,
+        groups=s.groups,
+        levels=s.levels,
+        taxonomy=s.taxonomy,
+        item_ids=s.item_ids,
+        skipped={},
+        wall_s=0.0,
+        target="own",
+    )
+
+
+def _same_table(a, b, atol: float = 0.0) -> None:
+    assert a.budget == b.budget
+    for field in ("floor", "priority", "retain", "group_fractions"):
+        np.testing.assert_allclose(getattr(a, field), getattr(b, field), atol=atol, rtol=0, err_msg=field)
 
 
 @pytest.mark.parametrize("budget", [0.2, 0.33, 0.5, 1.0])
@@ -107,7 +158,7 @@ FITS = ModelFingerprint("qwen3", 4, 4, 2, 16, 64, vocab_hash="0123456789abcdef")
 
 
 def test_save_load_and_mismatches(tmp_path: Path):
-    policy = compile_policy(synthetic_stats(), [0.2, 0.33], fits=FITS)
+    policy = compile_policy(synthetic_calibration(), [0.2, 0.33], fits=FITS)
     policy.save(tmp_path / "p")
     loaded = PersistencePolicy.load(tmp_path / "p")
     assert loaded.model == "tiny-qwen3" and [t.budget for t in loaded.tables] == [0.2, 0.33]
@@ -123,10 +174,96 @@ def test_save_load_and_mismatches(tmp_path: Path):
     with pytest.raises(PolicyError, match="no shipped PASK policy fits"):
         find_shipped_policy(other, tmp_path)
     assert find_shipped_policy(FITS, tmp_path).content_hash() == policy.content_hash()
-    with pytest.raises(PolicyError, match="no policy table for budget 0.5"):
-        loaded.table(0.5)
     with pytest.raises(PolicyError, match="no policy.json"):
         PersistencePolicy.load(tmp_path)
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(ModelFingerprint)])
+def test_a_policy_for_another_model_is_refused_naming_both(tmp_path: Path, field: str):
+    """Any difference in what the policy fits (architecture, sizes, vocabulary, role taxonomy) refuses it."""
+    compile_policy(synthetic_calibration(), [0.33], fits=FITS).save(tmp_path / "p")
+    value = getattr(FITS, field)
+    other = dataclasses.replace(FITS, **{field: value + 1 if isinstance(value, int) else f"{value}-other"})
+    with pytest.raises(PolicyError) as info:
+        resolve_policy(tmp_path / "p", other)
+    assert re.search(re.escape(FITS.describe()) + ".*" + re.escape(other.describe()), str(info.value))
+    assert resolve_policy(tmp_path / "p", FITS).fits == FITS
+
+
+def test_policy_answers_any_budget_from_its_statistics(tmp_path: Path):
+    """A budget the policy was not compiled for is compiled on load from the statistics it carries, with its compile
+    options: the same table a policy compiled for that budget holds."""
+    stats = CalibrationStats.load(SHIPPED_STATS)
+    compile_policy(stats, [0.2, 0.5], fits=FITS).save(tmp_path / "p")
+    assert json.loads((tmp_path / "p" / "stats.json").read_text())["item_ids"] == stats.item_ids
+    loaded = PersistencePolicy.load(tmp_path / "p")
+    at_033 = loaded.table(0.33)
+    _same_table(at_033, compile_policy(stats, [0.33]).table(0.33))
+    _same_table(at_033, PersistencePolicy.load(SHIPPED).table(0.33), atol=1e-6)  # compiled for 0.33 and shipped
+    at_027 = loaded.table(0.27)
+    at_027.validate(R, loaded.groups)
+    assert at_027.budget == 0.27 and at_027.group_fractions.mean() <= 0.27 + 1e-6  # equal groups: 6 layers each
+    assert loaded.table(0.27) is at_027 and loaded.table(0.5) is loaded.tables[1]  # compiled once; stored ones kept
+    assert PaskKV.from_policy(loaded, 0.27).layer_fractions(24, 0.27).mean() == pytest.approx(0.27, abs=1e-3)
+    with pytest.raises(PolicyError, match=r"budget=1.5 must be in \(0, 1\]"):
+        loaded.table(1.5)
+    # the compile options travel too: an ablated policy answers new budgets with the same ablation
+    compile_policy(stats, [0.2], ablation="one_role", floor_share=0.5).save(tmp_path / "ablated")
+    ablated = PersistencePolicy.load(tmp_path / "ablated")
+    _same_table(ablated.table(0.33), compile_policy(stats, [0.33], ablation="one_role", floor_share=0.5).table(0.33))
+    # the statistics do not change the content hash: it is the hash of the compiled tables
+    assert loaded.content_hash() == dataclasses.replace(loaded, stats=None, compile_options=None).content_hash()
+
+
+def test_policy_without_statistics_answers_only_its_budgets(tmp_path: Path):
+    shipped = PersistencePolicy.load(SHIPPED)  # the shipped policy carries its statistics: any budget
+    assert shipped.stats is not None and shipped.content_hash() == SHIPPED_HASH
+    assert shipped.table(0.27).budget == 0.27
+    assert json.loads((Path(SHIPPED) / "stats.json").read_text()) == json.loads(Path(SHIPPED_STATS).read_text())
+    # without them, the same directory answers only its compiled budgets, and keeps its hash
+    shutil.copytree(SHIPPED, tmp_path / "bare")
+    (tmp_path / "bare" / "stats.json").unlink()
+    bare = PersistencePolicy.load(tmp_path / "bare")
+    assert bare.stats is None and bare.content_hash() == SHIPPED_HASH
+    with pytest.raises(PolicyError, match=r"no policy table for budget 0.27.*pask-jax calibrate --stats"):
+        bare.table(0.27)
+    # saving a policy without statistics over one with them drops the stale file
+    shutil.copytree(SHIPPED, tmp_path / "with-stats")
+    bare.save(tmp_path / "with-stats")
+    assert not (tmp_path / "with-stats" / "stats.json").exists()
+
+
+def test_statistics_must_reproduce_the_tables(tmp_path: Path):
+    compile_policy(synthetic_calibration(), [0.33], fits=FITS).save(tmp_path / "p")
+    other = synthetic_calibration()
+    other.task_error[Role.USER_TEXT] = 0.0  # another calibration: user text no longer needs a floor
+    other.save(tmp_path / "p" / "stats.json")
+    with pytest.raises(PolicyError, match="do not reproduce the floor of budget 0.33.*remove it"):
+        PersistencePolicy.load(tmp_path / "p")
+    other = synthetic_calibration()
+    other.groups = 1
+    other.save(tmp_path / "p" / "stats.json")
+    with pytest.raises(PolicyError, match="statistics for 4 layers in 1 groups"):
+        PersistencePolicy.load(tmp_path / "p")
+
+
+def test_policy_directory_moves(tmp_path: Path):
+    compile_policy(synthetic_calibration(), [0.33], fits=FITS).save(tmp_path / "here" / "p")
+    moved = shutil.move(tmp_path / "here" / "p", tmp_path / "there" / "renamed")
+    shutil.rmtree(tmp_path / "here")
+    policy = PersistencePolicy.load(moved)
+    assert policy.fits == FITS and policy.table(0.2).budget == 0.2
+
+
+def test_policy_module_needs_no_jax_or_calibration():
+    """A loaded policy compiles tables with the numpy compiler: `pask_jax.policy` imports neither JAX nor the
+    calibration package (which imports the model)."""
+    code = (
+        "import json, sys, pask_jax.policy; "
+        "print(json.dumps(sorted(m for m in sys.modules if m in ('jax', 'flax') or m.startswith('pask_jax.calib'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
 
 
 def test_floors_respected_online():

@@ -1,24 +1,31 @@
-"""Calibration driver: BFCL calibration items -> gold calls with roles -> jitted passes -> `CalibrationStats`.
+"""Calibration driver: items -> gold calls with roles -> jitted passes -> `CalibrationStats`.
 
-Targets (`target=`): "own" (default) teacher-forces the model's own greedy, grammar-constrained call at full KV, so
-the baseline is right by construction and task error measures how often removing a bucket changes the call the model
-would make (what a compressed cache must preserve); "canonical" uses the rendered ground truth, which a small model
-rarely reproduces token for token (the 0.5B model: 2 of 8 items), leaving most items without a task-error signal.
+Items come from BFCL's calibration split (`calibrate`, BFCL's fixed prompt) or from a user's own chat-completions
+requests (`calibrate_requests`, each rendered with the model's chat template; `pask_jax.calibration.data` reads and
+splits them).
+
+Targets (`target=`): "own" (default; the only one for user requests, which carry no answer) teacher-forces the
+model's own greedy, grammar-constrained call at full KV, so the baseline is right by construction and task error
+measures how often removing a bucket changes the call the model would make (what a compressed cache must preserve);
+"canonical" uses BFCL's rendered ground truth, which a small model rarely reproduces token for token (the 0.5B model:
+2 of 8 items), leaving most items without a task-error signal.
 
 Per item (see `passes.py` for what one pass computes): the prompt is prefilled once; then every variant (role r,
 layer group g, keep level lam) whose removal hides at least one entry is teacher-forced, in batches of `batch` rows
 sharded over a 1-D device mesh (axis "data"; parameters and the item replicated). Variants that hide nothing equal the
 baseline and count as 0 change. Sums over items are checkpointed with orbax every `save_every` items, so a rerun with
-the same `checkpoint_dir` continues where a preempted one stopped (and refuses a different model / G / levels).
+the same `checkpoint_dir` continues where a preempted one stopped (and refuses a different model / G / levels / data,
+or a checkpoint holding items the run does not have).
 
 Multi-host (TPU pods): run the same command on every host with `PASK_DISTRIBUTED=1` (JAX detects Cloud TPU and SLURM
-clusters) or `JAX_COORDINATOR_ADDRESS=host:port JAX_NUM_PROCESSES=n JAX_PROCESS_ID=i`; the command then calls
-`jax.distributed.initialize()` first (`init_distributed`, called by `pask-jax calibrate`). Every host prepares the
-same items; the mesh spans all devices of all hosts and only the variant rows are split over them; results are
-all-gathered to every host.
+clusters) or `JAX_COORDINATOR_ADDRESS=host:port JAX_NUM_PROCESSES=n JAX_PROCESS_ID=i`; `pask-jax calibrate` then
+calls `jax.distributed.initialize()` first (`pask_jax.models.sharding.init_distributed`). Every host prepares the
+same items (and computes own calls on its first local device); the mesh spans all devices of all hosts and only the
+variant rows are split over them; results are all-gathered to every host, so every host ends with the same statistics.
 
-Run: ``pask-jax calibrate --model qwen2.5-coder-0.5b --per-category 8 --checkpoint ckpt/calib
---out policies/qwen2.5-coder-0.5b`` (statistics saved beside the policy as ``<out>.stats.json``).
+Run: ``pask-jax calibrate --model DIR --data requests.jsonl --checkpoint ckpt/calib --out policies/my-model`` or, on
+BFCL, ``pask-jax calibrate --model qwen2.5-coder-0.5b --per-category 8 --checkpoint ckpt/calib --out
+policies/qwen2.5-coder-0.5b`` (statistics saved inside the policy as ``stats.json``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -54,7 +60,8 @@ from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.layers import layer_groups
 from pask_jax.models.chat_template import format_tool_call
 from pask_jax.models.qwen3 import Qwen3
-from pask_jax.requests import RequestBuilder
+from pask_jax.policy_compiler import STATS_ARRAYS, CalibrationStats
+from pask_jax.requests import PreparedRequest, RequestBuilder
 from pask_jax.structure import GrammarConstraint
 from pask_jax.structure.roles import TAXONOMY_VERSION, num_roles
 
@@ -62,7 +69,6 @@ DEFAULT_LEVELS = (0.0, 0.25, 0.5, 0.75)
 GOLD_BUCKET = 16  # fed tokens padded to a multiple of this; prompts to a power of two (>= 64)
 TARGETS = ("own", "canonical")
 OWN_CALL_TOKENS = 128  # an own call still unfinished after this many tokens is skipped (a runaway value)
-SUMS = ("task_error", "task_error_strict", "nll_delta", "distortion", "distortion_per_entry", "entries", "present")
 
 
 @dataclasses.dataclass
@@ -147,20 +153,29 @@ def text_consistent(gold: Sequence[int], tokenizer, vocab_size: int) -> np.ndarr
 def prepare_example(
     item: dict, answer: dict | None, tokenizer, vocab_size: int, gold=None, engine: Engine | None = None
 ) -> Example:
-    """Tokenise prompt and gold, label prompt roles, walk the grammar over the gold (ValueError if it refuses it).
+    """A BFCL item as BFCL prompts it: tokenise prompt and gold, label prompt roles, walk the grammar over the gold
+    (ValueError if it refuses it).
 
     The gold: `gold` token ids if given; else the model's own call (`own_call`) when an `engine` is given; else the
     canonical rendering of the ground truth `answer`."""
     prepared = RequestBuilder(tokenizer, None).prepare_bfcl(item)
-    ids, roles, grammar = np.asarray(prepared.ids, np.int32), np.asarray(prepared.roles, np.int32), prepared.grammar
     if gold is not None:
         renderings = [gold]
     elif engine is not None:
-        renderings = [own_call(engine, ids, grammar)]
+        renderings = [own_call(engine, np.asarray(prepared.ids, np.int32), prepared.grammar)]
     else:
         renderings = [tokenizer.encode(gold_text(item, answer, ensure_ascii)) for ensure_ascii in (True, False)]
+    return example_from_prepared(item["id"], prepared, renderings, tokenizer, vocab_size)
+
+
+def example_from_prepared(
+    example_id: str, prepared: PreparedRequest, renderings: Sequence[Sequence[int]], tokenizer, vocab_size: int
+) -> Example:
+    """The example of a prepared request answered by the first of `renderings` (token ids) its grammar accepts
+    (ValueError if it accepts none)."""
+    ids, roles = np.asarray(prepared.ids, np.int32), np.asarray(prepared.roles, np.int32)
     for attempt, tokens in enumerate(np.asarray(r, np.int32) for r in renderings):
-        constraint = GrammarConstraint([grammar], vocab_size)
+        constraint = GrammarConstraint([prepared.grammar], vocab_size)
         allowed, gold_roles = [], []
         try:
             for token in tokens:
@@ -171,7 +186,7 @@ def prepare_example(
             if attempt == len(renderings) - 1:
                 raise
     consistent = text_consistent(tokens, tokenizer, vocab_size)
-    return Example(item["id"], ids, roles, tokens, np.asarray(gold_roles, np.int32), np.stack(allowed), consistent)
+    return Example(example_id, ids, roles, tokens, np.asarray(gold_roles, np.int32), np.stack(allowed), consistent)
 
 
 def own_call(engine: Engine, prompt: np.ndarray, grammar, max_new_tokens: int = OWN_CALL_TOKENS) -> np.ndarray:
@@ -201,50 +216,6 @@ def item_arrays(ex: Example) -> ItemArrays:
         allowed=pad(ex.allowed, tb + 1, -1),
         consistent=pad(ex.consistent, tb + 1),
     )
-
-
-@dataclasses.dataclass
-class CalibrationStats:
-    """Means over calibration items. Bucket arrays are [R, G] / [R, G, Λ]; a bucket absent from every item is 0
-    (see `present`). Changes are variant minus baseline of the same item, averaged over items where the bucket is
-    present; distortion is at keep level 0 (bucket removed), per entry = divided by the entries it hid."""
-
-    task_error: np.ndarray  # f64[R, G, Λ] increase in P(call wrong): greedy constrained decoding leaves the gold text
-    task_error_strict: np.ndarray  # f64[R, G, Λ] the same, token-exact and with the end-of-turn token
-    nll_delta: np.ndarray  # f64[R, G, Λ] increase in mean NLL of the gold tokens
-    distortion: np.ndarray  # f64[R, G] ||o - o_base|| / ||o_base|| over the group's layers and the fed queries
-    distortion_per_entry: np.ndarray  # f64[R, G]
-    entries: np.ndarray  # f64[R, G] mean entries (tokens) of role r per item (prompt + fed gold tokens)
-    present: np.ndarray  # i64[R, G] items where the role had entries
-    baseline_error: float
-    baseline_error_strict: float
-    baseline_nll: float
-    n_items: int
-    model: str
-    num_layers: int
-    groups: int
-    levels: tuple[float, ...]
-    taxonomy: str
-    item_ids: list[str]
-    skipped: dict[str, str]  # item id -> why it was not calibrated
-    wall_s: float
-    target: str = "canonical"  # "own" or "canonical" (see the module docstring); older statistics are canonical
-
-    def to_json(self) -> str:
-        return json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in vars(self).items()})
-
-    @classmethod
-    def from_json(cls, text: str) -> CalibrationStats:
-        d = json.loads(text)
-        arrays = {k: np.asarray(d[k], np.int64 if k == "present" else np.float64) for k in SUMS}
-        return cls(**(d | arrays | {"levels": tuple(d["levels"])}))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
-
-    @classmethod
-    def load(cls, path: str | Path) -> CalibrationStats:
-        return cls.from_json(Path(path).read_text())
 
 
 def _put(tree, sharding: NamedSharding):
@@ -325,8 +296,10 @@ def calibrate_examples(
     save_every: int = 4,
     progress: bool = True,
     target: str = "canonical",  # what the examples' gold is (recorded in the statistics and the checkpoint)
+    data: str | None = None,  # a digest of the data the examples come from (a checkpoint for other data is refused)
 ) -> CalibrationStats:
-    """The calibration loop over prepared examples (`calibrate` builds them from BFCL items)."""
+    """The calibration loop over prepared examples (`calibrate` builds them from BFCL items, `calibrate_requests`
+    from chat-completions requests), with a progress bar (ETA) on the first process."""
     if 0.0 not in levels:
         raise ValueError(f"levels={levels} must include 0.0 (bucket removed: distortion is measured there)")
     cfg, levels = model.config, tuple(float(x) for x in levels)
@@ -342,17 +315,31 @@ def calibrate_examples(
         levels=list(levels),
         taxonomy=TAXONOMY_VERSION,
         target=target,
-    )
+    ) | ({} if data is None else {"data": data})
     shape = (num_roles(), groups)
-    sums = {k: np.zeros(shape + ((len(levels),) if k.startswith(("task", "nll")) else ()), np.float64) for k in SUMS}
+    sums = {
+        k: np.zeros(shape + ((len(levels),) if k.startswith(("task", "nll")) else ()), np.float64) for k in STATS_ARRAYS
+    }
     state = {"config": config, "done": [], "skipped": {}, "wall_s": 0.0, "sums": sums | {"baseline": np.zeros(4)}}
     save = _checkpoint(checkpoint_dir, config, state)
+    examples = list(examples)
+    known = {item_id for item_id, _ in examples}
+    foreign = [i for i in [*state["done"], *state["skipped"]] if i not in known]
+    if foreign:
+        raise ValueError(
+            f"checkpoint {checkpoint_dir} holds {len(foreign)} items this run does not calibrate ({foreign[:3]}): "
+            "resume with the same items, or start another checkpoint directory"
+        )
 
-    todo = [
-        (i, build) for i, build in list(examples)[:max_items] if i not in state["done"] and i not in state["skipped"]
-    ]
-    bar = tqdm(total=len(list(examples)[:max_items]), disable=not progress or jax.process_index() > 0)
-    bar.update(bar.total - len(todo))
+    selected = examples[:max_items]
+    todo = [(i, build) for i, build in selected if i not in state["done"] and i not in state["skipped"]]
+    bar = tqdm(
+        total=len(selected),
+        initial=len(selected) - len(todo),  # resumed items: not counted in the rate, so the ETA holds
+        desc="calibrate",
+        unit="item",
+        disable=not progress or jax.process_index() > 0,
+    )
     for n, (item_id, build) in enumerate(todo, 1):
         start = time.perf_counter()
         try:
@@ -363,6 +350,7 @@ def calibrate_examples(
             _calibrate_item(plan, params, ex, levels, batch, mesh, state["sums"])
             state["done"].append(item_id)
         state["wall_s"] += time.perf_counter() - start
+        bar.set_postfix(skipped=len(state["skipped"]), refresh=False)
         bar.update()
         if n % save_every == 0 or n == len(todo):
             save()
@@ -371,7 +359,7 @@ def calibrate_examples(
     sums = state["sums"]
     n = max(sums["baseline"][3], 1.0)
     present = np.maximum(sums["present"], 1)
-    means = {k: sums[k] / (present[..., None] if sums[k].ndim == 3 else present) for k in SUMS[:5]}
+    means = {k: sums[k] / (present[..., None] if sums[k].ndim == 3 else present) for k in STATS_ARRAYS[:5]}
     return CalibrationStats(
         **means,
         entries=sums["entries"] / n,
@@ -380,7 +368,7 @@ def calibrate_examples(
         baseline_error_strict=sums["baseline"][1] / n,
         baseline_nll=sums["baseline"][2] / n,
         n_items=int(sums["baseline"][3]),
-        **{k: v for k, v in config.items() if k != "levels"},
+        **{k: v for k, v in config.items() if k not in ("levels", "data")},
         levels=levels,
         item_ids=list(state["done"]),
         skipped=dict(state["skipped"]),
@@ -415,17 +403,19 @@ def calibrate(
     return calibrate_examples(model, examples, target=target, **options)
 
 
-def init_distributed() -> bool:
-    """Multi-process runs call `jax.distributed.initialize()` before any JAX op, when the environment asks for it:
-    `JAX_COORDINATOR_ADDRESS` (plus `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) or `PASK_DISTRIBUTED=1` (Cloud TPU pods
-    and SLURM, where JAX detects the cluster itself)."""
-    env = os.environ
-    if not env.get("JAX_COORDINATOR_ADDRESS") and env.get("PASK_DISTRIBUTED") != "1":
-        return False
-    count, index = env.get("JAX_NUM_PROCESSES"), env.get("JAX_PROCESS_ID")
-    jax.distributed.initialize(
-        env.get("JAX_COORDINATOR_ADDRESS"),
-        num_processes=None if count is None else int(count),
-        process_id=None if index is None else int(index),
-    )
-    return True
+def calibrate_requests(
+    model: Qwen3, tokenizer, prepared: Sequence[tuple[str, PreparedRequest]], **options
+) -> CalibrationStats:
+    """Calibrate on prepared chat-completions requests ((custom_id, request) pairs, e.g. the calibration part of a
+    user's batch file, `pask_jax.calibration.data`) against the model's own full-KV answer under each request's
+    grammar, within its max_tokens (requests whose answer does not finish are skipped). Options as
+    `calibrate_examples`."""
+    vocab = model.config.vocab_size
+    engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids)
+
+    def build(request: PreparedRequest, custom_id: str) -> Example:
+        answer = own_call(engine, np.asarray(request.ids, np.int32), request.grammar, request.request.max_tokens)
+        return example_from_prepared(custom_id, request, [answer], tokenizer, vocab)
+
+    examples = [(custom_id, functools.partial(build, request, custom_id)) for custom_id, request in prepared]
+    return calibrate_examples(model, examples, target="own", **options)
