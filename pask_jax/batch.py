@@ -9,6 +9,13 @@ compiled, before the model's weights load; a bad line gets its error record and 
 Resuming: a rerun with the same output file skips every custom_id (and every id-less line number) already in it,
 so nothing is computed twice; results are appended and flushed (and fsynced) batch by batch, and a torn last line
 left by a kill is cut off, so nothing is half-written or lost.
+
+Several processes (`jax.distributed`, e.g. the hosts of a TPU slice): every process reads the whole input, so
+envelope errors such as a duplicate custom_id are judged alike everywhere, and process p of n answers the lines whose
+0-based line index i has i mod n == p (an interleaved split: long and short requests spread evenly). Each writes its
+own file, `<output>.<p>-of-<n>` (`process_output_path`), with the records of its own lines only and the same resuming
+rule; a rerun with the same n continues every part. Together the parts hold one record per input line, as one
+process's output would (`cat <output>.*-of-<n>` merges them; records carry their custom_id, order is free).
 """
 
 from __future__ import annotations
@@ -134,7 +141,7 @@ class _Appender:
 
 @dataclasses.dataclass
 class BatchSummary:
-    requests: int = 0  # lines of the input
+    requests: int = 0  # lines of the input (of this process's share)
     skipped: int = 0  # already in the output
     failed: int = 0  # error records written by this run
     failed_before: int = 0  # error records an earlier run wrote for this input
@@ -154,16 +161,34 @@ class BatchSummary:
         )
 
 
-def run_batch(llm_factory: Callable[[], object], input_path: str | Path, output_path: str | Path) -> BatchSummary:
-    """Every unanswered input line through the LLM that `llm_factory` builds (called once, after the envelopes are
-    read: an input with nothing left to do loads nothing)."""
-    input_path, output_path = Path(input_path), Path(output_path)
+def process_output_path(output_path: str | Path, process: int = 0, processes: int = 1) -> Path:
+    """The file process `process` of `processes` writes: `output_path` itself for one process, else
+    `<output_path>.<process>-of-<processes>`."""
+    if not 0 <= process < processes:
+        raise ValueError(f"process {process} is not in 0..{processes - 1}")
+    output_path = Path(output_path)
+    return output_path if processes == 1 else output_path.with_name(f"{output_path.name}.{process}-of-{processes}")
+
+
+def run_batch(
+    llm_factory: Callable[[], object],
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    process: int = 0,
+    processes: int = 1,
+) -> BatchSummary:
+    """Every unanswered input line of this process's share through the LLM that `llm_factory` builds (called once,
+    after the envelopes are read: an input with nothing left to do loads nothing). Process `process` of `processes`
+    answers the lines with index mod `processes` == `process` into `process_output_path(output_path, ...)`."""
+    input_path = Path(input_path)
+    output_path = process_output_path(output_path, process, processes)
     if not input_path.is_file():
         raise ValueError(f"input file {input_path} does not exist")
     if output_path.resolve() == input_path.resolve():
         raise ValueError("the output file must not be the input file")
     start = time.perf_counter()
-    lines = read_input(input_path)
+    lines = [entry for entry in read_input(input_path) if (entry.line - 1) % processes == process]
     done = answered_keys(output_path)
     summary = BatchSummary(requests=len(lines))
     todo = [entry for entry in lines if entry.key not in done]

@@ -15,15 +15,22 @@ never depend on data. Which slots are live is ragged per (layer, sequence, KV he
   the engine evicts the live entry the method ranks lowest.
 
 Every array carries a leading layer axis Lg (the group's layers); `layer` arguments index it.
+
+On a device mesh, `axes` names the mesh axes of the sequence and KV-head dimensions (None: whole); `constrain` lays
+every array out by them while a mesh is active, and the Pallas kernel then runs per shard (`jax.shard_map`): each
+(sequence, KV head) is independent, so nothing is exchanged between devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pask_jax.kernels import gather_attention, masked_softmax
 
@@ -47,6 +54,36 @@ def pool_attention(
     return jnp.einsum("BKGC,BKCH->BKGH", probs.astype(v.dtype), v).astype(q.dtype)
 
 
+def per_row_shards(fn: Callable, axes: tuple[str | None, str | None]) -> Callable:
+    """`fn` over arrays whose leading dimensions are [B, K] (sequence, KV head), each row independent: on an active
+    mesh run per shard (`jax.shard_map` over `axes`, so nothing is gathered); otherwise `fn` itself."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return fn
+    spec = P(*axes)
+    return jax.shard_map(fn, in_specs=spec, out_specs=spec, check_vma=False)
+
+
+def _set_slots(
+    x: jax.Array, layer: int, slot: jax.Array, value: jax.Array, axes: tuple[str | None, str | None]
+) -> jax.Array:
+    """x[layer, b, h, slot[b, h]] = value[b, h] for every (sequence b, head h); out-of-range slots are skipped.
+
+    x: [Lg, B, K, C, ...], slot: i32[B, K], value: [B, K, ...]. On an active mesh the scatter runs per shard
+    (`jax.shard_map` over the cache's `axes`): every device writes its own rows, in place, and nothing is gathered.
+    """
+
+    def scatter(x: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+        rows, heads = jnp.arange(x.shape[1])[:, None], jnp.arange(x.shape[2])[None, :]
+        return x.at[layer, rows, heads, slot].set(value, mode="drop")
+
+    if jax.sharding.get_abstract_mesh().empty:
+        return scatter(x, slot, value)
+    per_head = P(*axes)
+    return jax.shard_map(scatter, in_specs=(P(None, *axes), per_head, per_head), out_specs=P(None, *axes))(
+        x, slot, value
+    )
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class GroupCache:
@@ -60,13 +97,24 @@ class GroupCache:
     table: jax.Array  # i32[Lg, B, K, C] slot permutation: first `length` live, rest free
     length: jax.Array  # i32[Lg, B, K]    live slots
     overflow: jax.Array  # bool[]          a write found no free slot (the engine raises)
+    # mesh axes of the sequence and KV-head dimensions (static: part of the tree structure)
+    axes: tuple[str | None, str | None] = dataclasses.field(default=(None, None), metadata=dict(static=True))
 
     @property
     def capacity(self) -> int:
         return self.k.shape[3]
 
     @classmethod
-    def empty(cls, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype) -> GroupCache:
+    def empty(
+        cls,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype,
+        axes: tuple[str | None, str | None] = (None, None),
+    ) -> GroupCache:
         shape = (layers, batch, kv_heads, capacity)
         return cls(
             k=jnp.zeros((*shape, head_dim), dtype),
@@ -77,6 +125,30 @@ class GroupCache:
             table=jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), shape),
             length=jnp.zeros(shape[:-1], jnp.int32),
             overflow=jnp.zeros((), bool),
+            axes=axes,
+        ).constrain()
+
+    def partition_specs(self) -> GroupCache:
+        """The PartitionSpec of every array, as a GroupCache (sequence and KV-head dimensions per `axes`)."""
+        rows = (None, *self.axes)  # [Lg, B, K]
+        return dataclasses.replace(
+            self,
+            k=P(*rows, None, None),
+            v=P(*rows, None, None),
+            pos=P(*rows, None),
+            role=P(*rows, None),
+            score=P(*rows, None),
+            table=P(*rows, None),
+            length=P(*rows),
+            overflow=P(),
+        )
+
+    def constrain(self) -> GroupCache:
+        """Every array constrained to its `partition_specs` while a mesh is active (tracing); else unchanged."""
+        if jax.sharding.get_abstract_mesh().empty:
+            return self
+        return jax.tree.map(
+            jax.lax.with_sharding_constraint, self, self.partition_specs(), is_leaf=lambda x: isinstance(x, P)
         )
 
     def fill(
@@ -110,11 +182,6 @@ class GroupCache:
             length=self.length.at[layer].set(count),
         )
 
-    def _heads(self) -> tuple[jax.Array, jax.Array]:
-        """Index grids (i32[B, 1], i32[1, K]) for scattering one value per (sequence, head)."""
-        _, b, h, _ = self.pos.shape
-        return jnp.arange(b)[:, None], jnp.arange(h)[None, :]
-
     def write(
         self,
         layer: int,
@@ -131,14 +198,14 @@ class GroupCache:
         slot = jnp.take_along_axis(self.table[layer], jnp.minimum(length, self.capacity - 1)[..., None], axis=-1)
         write = enter & ~full
         slot = jnp.where(write, slot[..., 0], self.capacity)  # out of range: the scatter drops it
-        bi, hi = self._heads()
+        per_head = slot.shape  # (B, K)
         return dataclasses.replace(
             self,
-            k=self.k.at[layer, bi, hi, slot].set(k.astype(self.k.dtype), mode="drop"),
-            v=self.v.at[layer, bi, hi, slot].set(v.astype(self.v.dtype), mode="drop"),
-            pos=self.pos.at[layer, bi, hi, slot].set(position[:, None], mode="drop"),
-            role=self.role.at[layer, bi, hi, slot].set(role[:, None], mode="drop"),
-            score=self.score if score is None else self.score.at[layer, bi, hi, slot].set(score, mode="drop"),
+            k=_set_slots(self.k, layer, slot, k.astype(self.k.dtype), self.axes),
+            v=_set_slots(self.v, layer, slot, v.astype(self.v.dtype), self.axes),
+            pos=_set_slots(self.pos, layer, slot, jnp.broadcast_to(position[:, None], per_head), self.axes),
+            role=_set_slots(self.role, layer, slot, jnp.broadcast_to(role[:, None], per_head), self.axes),
+            score=self.score if score is None else _set_slots(self.score, layer, slot, score, self.axes),
             length=self.length.at[layer].add(write.astype(jnp.int32)),
             overflow=self.overflow | jnp.any(enter & full),
         )
@@ -151,14 +218,13 @@ class GroupCache:
         last = length - 1
         last_slot = jnp.take_along_axis(table, jnp.maximum(last, 0)[..., None], axis=-1)[..., 0]
         drop = self.capacity  # out-of-range index: the scatter skips heads that do not evict
-        bi, hi = self._heads()
-        table = self.table.at[layer, bi, hi, jnp.where(do, index, drop)].set(last_slot, mode="drop")
-        table = table.at[layer, bi, hi, jnp.where(do, last, drop)].set(slot, mode="drop")
+        table = _set_slots(self.table, layer, jnp.where(do, index, drop), last_slot, self.axes)
+        table = _set_slots(table, layer, jnp.where(do, last, drop), slot, self.axes)
         return dataclasses.replace(
             self,
             table=table,
             length=self.length.at[layer].add(-do.astype(jnp.int32)),
-            pos=self.pos.at[layer, bi, hi, jnp.where(do, slot, drop)].set(-1, mode="drop"),
+            pos=_set_slots(self.pos, layer, jnp.where(do, slot, drop), jnp.full(slot.shape, -1, jnp.int32), self.axes),
         )
 
     def attend(self, layer: int, q: jax.Array, use_kernel: bool = False) -> jax.Array:
@@ -172,9 +238,8 @@ class GroupCache:
         kv_heads = self.k.shape[2]
         qg = q.reshape(b, kv_heads, n // kv_heads, h)  # [B, K, G, H]
         if use_kernel:  # Pallas: the backend's kernel gathers the live slots named by the table
-            out = gather_attention(
-                qg, self.k[layer], self.v[layer], self.table[layer], self.length[layer], use_kernel=True
-            )
+            kernel = per_row_shards(functools.partial(gather_attention, use_kernel=True), self.axes)
+            out = kernel(qg, self.k[layer], self.v[layer], self.table[layer], self.length[layer])
         else:  # XLA: attend over the whole pool with the live mask, no gather
             out = pool_attention(qg, self.k[layer], self.v[layer], self.pos[layer] >= 0)
         return out.reshape(b, n, h)

@@ -7,6 +7,11 @@ Each decode step runs the model on one token per sequence, writes its K/V into t
 the live slots, applies the host-supplied token mask (packed bits, as grammar engines write them),
 and samples. The host loop only moves B token ids (and B kept-entry counts) per step.
 
+On a device mesh (`Engine(..., mesh=make_mesh(data, model))`, `pask_jax.models.sharding`): parameters lie as the
+sharding table says, batch rows and every per-sequence cache array are split over `data` (batches are padded to a
+multiple of its size), KV heads over `model` where they divide it; scores, top-k selection and eviction are per
+(sequence, KV head), so they run where their rows lie and give the tokens one device gives.
+
 `generate_shared` runs several engines over one model on the same prompts: prefill attention is uncompressed for
 every method, so one forward serves them all and each method fills its own cache from it (method sweeps).
 
@@ -27,12 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from pask_jax.cache import GroupCache
+from pask_jax.cache import GroupCache, per_row_shards
 from pask_jax.layers import layer_groups
 from pask_jax.methods import FullKV, KVMethod
 from pask_jax.methods.base import PrefillContext, allowance_capacity
 from pask_jax.models.qwen3 import ModelConfig, Qwen3, attention, attention_probs
+from pask_jax.models.sharding import DATA, cache_axes, check_mesh, mesh_context, shard_model
 from pask_jax.structure.constraint import TokenConstraint
 
 # Prompt length buckets: steps of 1.5x keep padding under a third while bounding the number of compiles.
@@ -138,9 +146,10 @@ def length_bucket(n: int, buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS) -> in
     raise ValueError(f"a prompt of {n} tokens exceeds the largest length bucket {buckets[-1]}")
 
 
-def padded_batch(rows: int) -> int:
-    """The batch the arrays of `rows` sequences have: padded to a power of two, so few batch sizes compile."""
-    return 1 << (rows - 1).bit_length()
+def padded_batch(rows: int, multiple: int = 1) -> int:
+    """The batch the arrays of `rows` sequences have: padded to a power of two, so few batch sizes compile, and then
+    to a multiple of `multiple` (a mesh's `data` size, so that every device holds whole rows)."""
+    return -(-(1 << (rows - 1).bit_length()) // multiple) * multiple
 
 
 def new_token_bucket(max_new_tokens: int) -> int:
@@ -156,7 +165,7 @@ class BatchShape:
     """
 
     rows: int  # real sequences
-    padded_rows: int  # rows of every array: `padded_batch(rows)`
+    padded_rows: int  # rows of every array: `padded_batch(rows, data size)`
     prompt_bucket: int  # prompt positions: the longest prompt's `length_bucket`
     new_token_bucket: int  # new tokens the caches are sized for: `new_token_bucket(max_new_tokens)`
     capacities: tuple[int, ...]  # slots per (layer, sequence, KV head) of each layer group
@@ -198,6 +207,7 @@ class StepPlan:
     fractions: tuple[float, ...]  # per layer: the share of the full length it may keep
     use_kernel: bool
     dtype: jnp.dtype
+    mesh: Mesh | None = None  # the device mesh its steps run on (None: one device)
 
     def _layer_slot(self, layer: int) -> tuple[int, int]:
         for g, (start, stop) in enumerate(self.groups):
@@ -220,8 +230,9 @@ class StepPlan:
     def empty_caches(self, batch: int, capacities: tuple[int, ...]) -> list[GroupCache]:
         """One empty cache per layer group, `capacities[g]` slots per (layer, sequence, KV head)."""
         cfg = self.cfg
+        axes = (None, None) if self.mesh is None else cache_axes(cfg.num_kv_heads, self.mesh.shape)
         return [
-            GroupCache.empty(stop - start, batch, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype)
+            GroupCache.empty(stop - start, batch, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype, axes)
             for (start, stop), capacity in zip(self.groups, capacities, strict=True)
         ]
 
@@ -234,54 +245,56 @@ class StepPlan:
             n_keep = min(t, capacities[g])
             quota = jnp.maximum(jnp.floor(self.allowance(layer, ctx.lengths)).astype(jnp.int32), 1)  # i32[B]
             ranked = jnp.where(ctx.valid[:, None], scores[layer], -jnp.inf)  # padding never kept
-            keep = jax.lax.top_k(ranked, n_keep)[1].astype(jnp.int32)  # [B, K, n_keep], best first
+            best = per_row_shards(lambda r, n=n_keep: jax.lax.top_k(r, n)[1].astype(jnp.int32), caches[g].axes)
+            keep = best(ranked)  # [B, K, n_keep], best first (on a mesh: each device ranks its own rows)
             count = jnp.broadcast_to(jnp.minimum(quota, n_keep)[:, None], keep.shape[:2])
-            caches[g] = caches[g].fill(li, k, v, ctx.positions, ctx.roles, keep, count, scores[layer])
+            caches[g] = caches[g].fill(li, k, v, ctx.positions, ctx.roles, keep, count, scores[layer]).constrain()
         kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B]
         return caches, kept
 
     def decode(self, params, caches, tokens, positions, roles, prompt_lengths, mask_bits, key, temperature, top_p):
         """One token per sequence: write its K/V, attend to the cache, enforce the running cap, mask, sample."""
-        model = nnx.merge(self.graphdef, params)
-        b = tokens.shape[0]
-        kv_heads = self.cfg.num_kv_heads
-        caches = list(caches)
-        method = self.method
+        with mesh_context(self.mesh):
+            model = nnx.merge(self.graphdef, params)
+            b = tokens.shape[0]
+            kv_heads = self.cfg.num_kv_heads
+            caches = list(caches)
+            method = self.method
 
-        def attend(layer, q, k, v):
-            g, li = self._layer_slot(layer)
-            cache = caches[g].write(
-                li,
-                k[:, 0],
-                v[:, 0],
-                positions,
-                roles,
-                jnp.ones((b, kv_heads), bool),
-                method.new_token_score(layer, positions, roles, kv_heads),
-            )
-            if method.needs_decode_attention:
-                out, probs = cache.attend_probs(li, q[:, 0])
-                cache = dataclasses.replace(
-                    cache, score=cache.score.at[li].set(method.update_scores(layer, cache.score[li], probs))
+            def attend(layer, q, k, v):
+                g, li = self._layer_slot(layer)
+                cache = caches[g].write(
+                    li,
+                    k[:, 0],
+                    v[:, 0],
+                    positions,
+                    roles,
+                    jnp.ones((b, kv_heads), bool),
+                    method.new_token_score(layer, positions, roles, kv_heads),
                 )
-            else:
-                out = cache.attend(li, q[:, 0], self.use_kernel)
-            # Running cap after this token: floor(allowance(P + t)) entries per (layer, sequence, head).
-            cap = jnp.floor(self.allowance(layer, positions + 1)).astype(jnp.int32)  # i32[B]
-            over = cache.length[li] > cap[:, None]
-            priority = method.eviction_priority(
-                layer, cache.score[li], cache.pos[li], cache.role[li], positions, prompt_lengths
-            )
-            priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)
-            caches[g] = cache.evict(li, jnp.argmin(priority, axis=-1).astype(jnp.int32), over)
-            return out[:, None]
+                if method.needs_decode_attention:
+                    out, probs = cache.attend_probs(li, q[:, 0])
+                    cache = dataclasses.replace(
+                        cache, score=cache.score.at[li].set(method.update_scores(layer, cache.score[li], probs))
+                    )
+                else:
+                    out = cache.attend(li, q[:, 0], self.use_kernel)
+                # Running cap after this token: floor(allowance(P + t)) entries per (layer, sequence, head).
+                cap = jnp.floor(self.allowance(layer, positions + 1)).astype(jnp.int32)  # i32[B]
+                over = cache.length[li] > cap[:, None]
+                priority = method.eviction_priority(
+                    layer, cache.score[li], cache.pos[li], cache.role[li], positions, prompt_lengths
+                )
+                priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)
+                caches[g] = cache.evict(li, jnp.argmin(priority, axis=-1).astype(jnp.int32), over).constrain()
+                return out[:, None]
 
-        hidden = model.forward(tokens[:, None], positions[:, None], attend)
-        logits = model.logits(hidden)[:, 0]
-        next_tokens = _sample_masked(logits, mask_bits, key, temperature, top_p)
-        kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B] over layers and heads
-        overflow = jnp.stack([c.overflow for c in caches]).any()
-        return next_tokens, caches, kept, overflow
+            hidden = model.forward(tokens[:, None], positions[:, None], attend)
+            logits = model.logits(hidden)[:, 0]
+            next_tokens = _sample_masked(logits, mask_bits, key, temperature, top_p)
+            kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B] over layers and heads
+            overflow = jnp.stack([c.overflow for c in caches]).any()
+            return next_tokens, caches, kept, overflow
 
 
 def prefill_plans(plans: tuple[StepPlan, ...], params, tokens, lengths, roles, capacities: tuple[tuple[int, ...], ...]):
@@ -291,54 +304,55 @@ def prefill_plans(plans: tuple[StepPlan, ...], params, tokens, lengths, roles, c
     Prefill attention is uncompressed for every method, so plans over one model share the forward; only the
     scoring and the fill are per plan (how a BFCL sweep runs many methods and budgets for one prefill).
     """
-    base = plans[0]
-    model = nnx.merge(base.graphdef, params)
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    valid = positions < lengths[:, None]
-    mask = (positions[:, :, None] >= positions[:, None, :]) & valid[:, None, :]
-    kv: list[tuple[jax.Array, jax.Array]] = []
-    observed: list[list] = [[] for _ in plans]
+    with mesh_context(plans[0].mesh):
+        base = plans[0]
+        model = nnx.merge(base.graphdef, params)
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        valid = positions < lengths[:, None]
+        mask = (positions[:, :, None] >= positions[:, None, :]) & valid[:, None, :]
+        kv: list[tuple[jax.Array, jax.Array]] = []
+        observed: list[list] = [[] for _ in plans]
 
-    def extra_query_scores(extra_tokens, extra_positions):
-        """Attention mass that extra tokens, run after the prompt, give each prompt key (per layer)."""
-        n = extra_tokens.shape[1]
-        extra_mask = jnp.concatenate(
-            [
-                jnp.broadcast_to(valid[:, None], (b, n, t)),
-                jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n)),
-            ],
-            axis=-1,
-        )
-        scores = []
+        def extra_query_scores(extra_tokens, extra_positions):
+            """Attention mass that extra tokens, run after the prompt, give each prompt key (per layer)."""
+            n = extra_tokens.shape[1]
+            extra_mask = jnp.concatenate(
+                [
+                    jnp.broadcast_to(valid[:, None], (b, n, t)),
+                    jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n)),
+                ],
+                axis=-1,
+            )
+            scores = []
 
-        def attend_extra(layer, q, k, v):
-            keys = jnp.concatenate([kv[layer][0], k], axis=1)
-            values = jnp.concatenate([kv[layer][1], v], axis=1)
-            probs = attention_probs(q, keys, extra_mask)  # [B, K, G, N, T + N]
-            scores.append(probs[..., :t].sum(axis=(2, 3)))
-            out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(values.dtype), values)
-            return out.reshape(q.shape)
+            def attend_extra(layer, q, k, v):
+                keys = jnp.concatenate([kv[layer][0], k], axis=1)
+                values = jnp.concatenate([kv[layer][1], v], axis=1)
+                probs = attention_probs(q, keys, extra_mask)  # [B, K, G, N, T + N]
+                scores.append(probs[..., :t].sum(axis=(2, 3)))
+                out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(values.dtype), values)
+                return out.reshape(q.shape)
 
-        model.forward(extra_tokens, extra_positions, attend_extra)
-        return scores
+            model.forward(extra_tokens, extra_positions, attend_extra)
+            return scores
 
-    ctx = PrefillContext(tokens, positions, valid, lengths, roles, base.cfg.num_kv_heads, extra_query_scores)
+        ctx = PrefillContext(tokens, positions, valid, lengths, roles, base.cfg.num_kv_heads, extra_query_scores)
 
-    def attend(layer, q, k, v):
-        kv.append((k, v))
-        for plan, seen in zip(plans, observed, strict=True):
-            seen.append(plan.method.prefill_observe(layer, q, k, ctx))
-        return attention(q, k, v, mask)
+        def attend(layer, q, k, v):
+            kv.append((k, v))
+            for plan, seen in zip(plans, observed, strict=True):
+                seen.append(plan.method.prefill_observe(layer, q, k, ctx))
+            return attention(q, k, v, mask)
 
-    hidden = model.forward(tokens, positions, attend)
-    last = hidden[jnp.arange(b), lengths - 1][:, None]  # only the last prompt token needs logits
-    logits = model.logits(last)[:, 0]
-    filled = [
-        plan.fill(kv, plan.method.prefill_scores(seen, ctx), ctx, caps)
-        for plan, seen, caps in zip(plans, observed, capacities, strict=True)
-    ]
-    return logits, filled
+        hidden = model.forward(tokens, positions, attend)
+        last = hidden[jnp.arange(b), lengths - 1][:, None]  # only the last prompt token needs logits
+        logits = model.logits(last)[:, 0]
+        filled = [
+            plan.fill(kv, plan.method.prefill_scores(seen, ctx), ctx, caps)
+            for plan, seen, caps in zip(plans, observed, capacities, strict=True)
+        ]
+        return logits, filled
 
 
 # One compiled function per static signature (plan, capacities / sampling); the caches are donated to each step.
@@ -378,11 +392,18 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
+def _abstract_placed(x: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
 class Engine:
     """Batched prefill + jitted decode over a ragged, budget-sized KV cache.
 
     `method` decides what the cache keeps (Full KV by default); `num_groups` consecutive layer groups
     each own a slot pool; `use_kernel` switches decode attention from the XLA path to the Pallas kernel.
+    `mesh`: a (`data`, `model`) mesh of this process's devices (`make_mesh`); the model's parameters move onto it
+    (in place, so engines over one model share them). None: one device, as without sharding.
+    Weights, activations and cache take the model's dtype (`load_model(..., dtype=)`).
     """
 
     def __init__(
@@ -396,9 +417,15 @@ class Engine:
         stop_token_ids: Sequence[int] = (),
         length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
         max_context: int | None = None,
+        mesh: Mesh | None = None,
     ):
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"budget={budget} must be in (0, 1]")
+        self.mesh = mesh
+        self.data_size = 1
+        if mesh is not None:
+            shard_model(model, check_mesh(mesh))
+            self.data_size = mesh.shape[DATA]
         self.cfg = cfg = model.config
         graphdef, self.params = nnx.split(model)
         self.method = method = method or FullKV()
@@ -418,6 +445,7 @@ class Engine:
             fractions=tuple(float(f) for f in fractions),
             use_kernel=use_kernel,
             dtype=model.embed.embedding.dtype,
+            mesh=mesh,
         )
 
     @property
@@ -448,7 +476,7 @@ class Engine:
         new_bucket = new_token_bucket(max_new_tokens)
         return BatchShape(
             rows=len(lengths),
-            padded_rows=padded_batch(len(lengths)),
+            padded_rows=padded_batch(len(lengths), self.data_size),
             prompt_bucket=prompt_bucket,
             new_token_bucket=new_bucket,
             capacities=self.capacities(prompt_bucket, new_bucket),
@@ -459,15 +487,34 @@ class Engine:
         caches = jax.eval_shape(lambda: self.plan.empty_caches(shape.padded_rows, shape.capacities))
         return sum(c.nbytes() for c in caches)
 
+    def rows(self, array: np.ndarray | jax.Array) -> jax.Array | np.ndarray:
+        """A per-row input (axis 0: the padded batch) placed as the steps take it: split over `data` on a mesh."""
+        if self.mesh is None:
+            return array
+        return jax.device_put(array, NamedSharding(self.mesh, P(DATA)))
+
+    def _abstract_rows(self, shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+        sharding = None if self.mesh is None else NamedSharding(self.mesh, P(DATA))
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+
     def lower(self, shape: BatchShape, sampling: SamplingConfig = SamplingConfig()) -> LoweredSteps:
         """Lower the jitted prefill and decode step for `shape`, with the abstract arguments `generate` gives them."""
         b, t = shape.padded_rows, shape.prompt_bucket
-        params = jax.tree.map(_abstract, self.params)
-        rows = jax.ShapeDtypeStruct((b,), jnp.int32)  # token ids, lengths, positions, roles: i32[B]
-        grid = jax.ShapeDtypeStruct((b, t), jnp.int32)  # padded prompt tokens and roles: i32[B, T]
+        params = jax.tree.map(_abstract if self.mesh is None else _abstract_placed, self.params)
+        rows = self._abstract_rows((b,))  # token ids, lengths, positions, roles: i32[B]
+        grid = self._abstract_rows((b, t))  # padded prompt tokens and roles: i32[B, T]
         prefill = _prefill.lower((self.plan,), params, grid, rows, grid, (shape.capacities,))
         caches = jax.eval_shape(lambda: self.plan.empty_caches(b, shape.capacities))
-        bits = jax.ShapeDtypeStruct((b, mask_words(self.cfg.vocab_size)), jnp.int32)
+        if self.mesh is not None:  # the layout the prefill hands them over in
+            caches = [
+                jax.tree.map(
+                    lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)),
+                    cache,
+                    cache.partition_specs(),
+                )
+                for cache in caches
+            ]
+        bits = self._abstract_rows((b, mask_words(self.cfg.vocab_size)))
         key = jax.eval_shape(lambda: jax.random.key(sampling.seed))
         decode = _decode.lower(
             self.plan, params, caches, rows, rows, rows, rows, bits, key, sampling.temperature, sampling.top_p
@@ -476,6 +523,7 @@ class Engine:
 
     def prefill(self, tokens: np.ndarray, lengths: np.ndarray, roles: np.ndarray, capacities: tuple[int, ...]):
         """Jitted prefill of right-padded prompts -> (last-token logits, caches, kept entries per sequence)."""
+        tokens, lengths, roles = (self.rows(x) for x in (tokens, lengths, roles))
         logits, ((caches, kept),) = _prefill((self.plan,), self.params, tokens, lengths, roles, (capacities,))
         return logits, caches, kept
 
@@ -499,11 +547,7 @@ class Engine:
             self.plan,
             self.params,
             caches,
-            tokens,
-            positions,
-            roles,
-            prompt_lengths,
-            mask_bits,
+            *(self.rows(x) for x in (tokens, positions, roles, prompt_lengths, mask_bits)),
             key,
             sampling.temperature,
             sampling.top_p,
@@ -625,8 +669,11 @@ def generate_shared(
         same = engine.plan.graphdef == first.plan.graphdef and all(
             a is b for a, b in zip(jax.tree.leaves(engine.params), shared_leaves, strict=True)
         )
-        if not same or (engine.length_buckets, engine.max_context) != (first.length_buckets, first.max_context):
-            raise ValueError("generate_shared needs engines over the same model, length buckets and context limit")
+        settings = (engine.length_buckets, engine.max_context, engine.mesh)
+        if not same or settings != (first.length_buckets, first.max_context, first.mesh):
+            raise ValueError(
+                "generate_shared needs engines over the same model, length buckets, context limit and mesh"
+            )
     for engine, constraint in zip(engines, constraints, strict=True):
         if engine.method.needs_roles and prompt_roles is None and constraint is None:
             raise ValueError(
@@ -643,7 +690,8 @@ def generate_shared(
     start = time.perf_counter()
     plans = tuple(engine.plan for engine in engines)
     capacities = tuple(shape.capacities for shape in shapes)
-    logits, filled = _prefill(plans, first.params, tokens, all_lengths, roles, capacities)
+    placed = (first.rows(x) for x in (tokens, all_lengths, roles))
+    logits, filled = _prefill(plans, first.params, *placed, capacities)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - start
     return [

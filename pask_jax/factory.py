@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jax.sharding import Mesh
+
 from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine
 from pask_jax.methods import METHODS, load_method_config, make_method
 from pask_jax.models.qwen3 import Qwen3
@@ -28,13 +30,14 @@ def make_engine(
     use_kernel: bool = False,
     stop_token_ids: Sequence[int] = (),
     max_context: int | None = None,
+    mesh: Mesh | None = None,
     length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
 ) -> Engine:
     """An engine running `method` (a name in `METHODS`) at total KV budget `budget`.
 
     `overrides` replace hyper-parameters of the method's section in the default method config. `policy` (PASK only)
     must answer `budget`; the layer groups then come from it (`num_groups` must agree if given). Full KV keeps
-    every entry: its budget must be 1.
+    every entry: its budget must be 1. `mesh`: a (`data`, `model`) device mesh (`make_mesh`), see `Engine`.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
@@ -58,5 +61,6 @@ def make_engine(
         use_kernel=use_kernel,
         stop_token_ids=stop_token_ids,
         max_context=max_context,
+        mesh=mesh,
         length_buckets=length_buckets,
     )

@@ -8,6 +8,9 @@ Requests are rendered with the checkpoint's own chat template, their tool calls 
 grammar, and batched: requests that share sampling settings and constrained-ness are length-sorted into micro-batches
 of up to `max_batch` rows whose KV cache fits `kv_memory_bytes` (if given: a method that keeps less fits more rows).
 The model's weights load on first use, so bad requests are refused before that.
+`dtype`: the weights', activations' and cache's dtype ("float32", "bfloat16"; None: bfloat16 on TPU / GPU, float32 on
+CPU; a given model instance keeps its own unless one is named). `mesh`: a (`data`, `model`) device mesh
+(`pask_jax.models.sharding.make_mesh`); the weights load straight onto it.
 `policy`: "auto" (PASK only) finds the shipped policy that fits the model by fingerprint; a directory loads that
 policy (refused if it fits another model); None runs PASK uncalibrated (recency with sinks).
 Sampling: `seed` applies per micro-batch (requests with different seeds never share one); `stop` strings cut the
@@ -23,14 +26,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+from jax.sharding import Mesh
 
 from pask_jax.engine import Engine, Generation, SamplingConfig
 from pask_jax.factory import make_engine
 from pask_jax.methods import METHODS
 from pask_jax.models.chat_template import ChatTemplate, load_chat_template
 from pask_jax.models.fetch import resolve_model_path
-from pask_jax.models.loading import load_config, load_model
+from pask_jax.models.loading import cast_model, load_config, load_model, resolve_dtype
 from pask_jax.models.qwen3 import Qwen3
+from pask_jax.models.sharding import check_mesh
 from pask_jax.models.tokenizer import Tokenizer, load_tokenizer_from_path
 from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
 from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError, parse_request
@@ -59,6 +64,8 @@ class LLM:
         num_groups: int | None = None,
         use_kernel: bool = False,
         method_overrides: dict | None = None,
+        dtype: str | None = None,
+        mesh: Mesh | None = None,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
@@ -66,11 +73,15 @@ class LLM:
             raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"budget={budget} must be in (0, 1]")
+        self.mesh = None if mesh is None else check_mesh(mesh)
         if isinstance(model, Qwen3):
             if tokenizer is None:
                 raise ValueError("LLM(model=<a Qwen3 instance>) needs tokenizer=")
+            model = model if dtype is None else cast_model(model, dtype)
+            self.dtype = model.embed.embedding.dtype
             self._model, config, self.model_name = model, model.config, model.config.name
         else:
+            self.dtype = resolve_dtype(dtype)
             path = resolve_model_path(model)
             self._model, config, self.model_name = None, load_config(model), str(model)
             tokenizer = tokenizer or load_tokenizer_from_path(path)
@@ -91,7 +102,7 @@ class LLM:
     def model(self) -> Qwen3:
         """The model, its weights loaded on first use."""
         if self._model is None:
-            self._model = load_model(self._path)
+            self._model = load_model(self._path, self.dtype, mesh=self.mesh)
         return self._model
 
     @property
@@ -105,6 +116,7 @@ class LLM:
                 policy=self.policy,
                 stop_token_ids=self.tokenizer.eos_token_ids,
                 max_context=self.builder.max_context,
+                mesh=self.mesh,
                 **self._engine_options,
             )
         return self._engine

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for a lent NVIDIA machine, in under 5 minutes: install, the GPU kernel's parity tests compiled (Triton),
-# the kernel micro-benchmark (float32 and bfloat16), then the serving benchmark if present. Results go to $OUT.
+# the kernel micro-benchmark (float32 and bfloat16), the sharded engine on meshes over every local device (greedy
+# tokens against one device), then the serving benchmark if present. Results go to $OUT.
 #
 #   bash scripts/device_bench.sh                  # on the GPU machine (OUT defaults to results/device)
 #   bash scripts/device_bench.sh --fetch-wheels   # here, beforehand: wheels an offline GPU machine lacks -> .whl/
@@ -53,6 +54,48 @@ PASK_GPU_KERNEL_COMPILED=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_ker
 echo "== kernel micro-benchmark"
 "$PY" -m pask_jax.bench kernel --kernel gpu --quick --out "$OUT/bench_kernel_gpu.json"
 "$PY" -m pask_jax.bench kernel --kernel gpu --quick --dtype bfloat16 --out "$OUT/bench_kernel_gpu_bf16.json"
+
+echo "== sharded path (every local device: data-parallel and tensor-parallel meshes, f32 and bf16)"
+# Greedy tokens of a tiny random model on each mesh against one device, and the mean decode step time, -> JSON.
+# float32 runs at full matmul precision must match one device exactly (the exit status); bf16 ones are recorded.
+timeout "${SHARDED_TIMEOUT:-150}" "$PY" - "$OUT/sharded_$("$PY" -c 'import jax; print(jax.default_backend())').json" <<'PY' ||
+import json, sys
+import jax, jax.numpy as jnp
+from flax import nnx
+from pask_jax.engine import SamplingConfig
+from pask_jax.factory import make_engine
+from pask_jax.models.loading import cast_model
+from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.sharding import make_mesh, param_bytes_per_device
+
+jax.config.update("jax_default_matmul_precision", "highest")  # no TF32: float32 sums alike on every layout
+n = jax.device_count()
+layouts = sorted({(n, 1), (1, n), (max(n // 2, 1), min(n, 2))})
+cfg = ModelConfig.tiny("qwen3", num_layers=4, num_heads=8, num_kv_heads=4, hidden_size=256, vocab_size=4096)
+prompts = [[(7 * i + 3 * j) % 4000 + 1 for j in range(40 + 9 * i)] for i in range(2 * n)]
+report = {"backend": jax.default_backend(), "devices": n, "runs": []}
+for dtype in ("float32", "bfloat16"):
+    for method, budget in (("full", 1.0), ("snapkv", 0.33), ("h2o", 0.33), ("pask", 0.33)):
+        tokens = None
+        for layout in [None, *layouts]:
+            model = cast_model(Qwen3(cfg, rngs=nnx.Rngs(0)), dtype)
+            mesh = None if layout is None else make_mesh(*layout)
+            engine = make_engine(model, method, budget, mesh=mesh)
+            steps, sampling, roles = [], SamplingConfig(max_new_tokens=32), [[0] * len(p) for p in prompts]
+            for _ in range(2):  # the second run is timed: its steps are compiled
+                gens = engine.generate(prompts, sampling, prompt_roles=roles, on_step=lambda t: steps.append(t.seconds))
+            got = [g.tokens for g in gens]
+            tokens = got if layout is None else tokens
+            report["runs"].append({
+                "dtype": dtype, "method": method, "mesh": layout, "same_tokens_as_one_device": got == tokens,
+                "decode_step_s": sum(steps[-31:]) / 31,
+                "param_bytes_per_device": param_bytes_per_device(cfg, jnp.dtype(dtype), *(layout or (1, 1))),
+            })
+            print(report["runs"][-1], flush=True)
+json.dump(report, open(sys.argv[1], "w"), indent=1)
+sys.exit(0 if all(r["same_tokens_as_one_device"] for r in report["runs"] if r["dtype"] == "float32") else 1)
+PY
+    tests_rc=1
 
 echo "== serving benchmark"
 # shellcheck disable=SC2086  # SERVING_ARGS is a list of words

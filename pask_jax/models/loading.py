@@ -4,6 +4,10 @@ Both formats go through one declarative table, `hf_key_table`, mapping a Hugging
 to a parameter path of `Qwen3` and a layout transform. GGUF tensor names are first renamed to
 their HF names (`GGUF_TO_HF`), dequantized with the `gguf` package, and llama.cpp's Q/K row
 permutation is undone for llama-architecture files, so a GGUF and its safetensors twin load alike.
+
+`dtype` is the weights' dtype (and so the activations' and the KV cache's); `resolve_dtype` gives the default, bfloat16
+on accelerators and float32 on CPU. With a `mesh`, each tensor goes from the host straight onto the devices with its
+sharding from `models/sharding.py` (no device ever holds the whole model unless the table replicates it).
 """
 
 from __future__ import annotations
@@ -14,13 +18,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 
 from pask_jax.models.fetch import MODELS, resolve_model_path
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.sharding import check_mesh, param_spec
 
 SUPPORTED_ARCHITECTURES = {
     # HF model_type / GGUF general.architecture -> flags
@@ -32,6 +39,31 @@ SUPPORTED_ARCHITECTURES = {
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: unknown architecture, missing tensor, shape mismatch."""
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def resolve_dtype(dtype: str | jnp.dtype | None = None) -> jnp.dtype:
+    """The weights' dtype: "float32", "bfloat16" (or a dtype); None or "auto": bfloat16 on TPU / GPU, float32 on CPU."""
+    if dtype is None or dtype == "auto":
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        return jnp.dtype(DTYPES[dtype])
+    if jnp.dtype(dtype) not in {jnp.dtype(d) for d in DTYPES.values()}:
+        raise ValueError(f"dtype {jnp.dtype(dtype)} is not one of {', '.join(DTYPES)}")
+    return jnp.dtype(dtype)
+
+
+def cast_model(model: Qwen3, dtype) -> Qwen3:
+    """A copy of `model` with every parameter in `dtype` (the model itself is unchanged; same dtype: itself)."""
+    dtype = resolve_dtype(dtype)
+    if model.embed.embedding.dtype == dtype:
+        return model
+    graphdef, params = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dtype), params))
 
 
 def _architecture_flags(arch: str, source: str) -> dict:
@@ -215,9 +247,16 @@ def _param(model: nnx.Module, path: str) -> nnx.Variable:
 
 
 def build_model(
-    cfg: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]], dtype: jnp.dtype = jnp.float32, source: str = ""
+    cfg: ModelConfig,
+    tensors: Iterator[tuple[str, np.ndarray]],
+    dtype: jnp.dtype = jnp.float32,
+    source: str = "",
+    mesh: Mesh | None = None,
 ) -> Qwen3:
-    """Fill an uninitialised model (`nnx.eval_shape`: no random init) from (HF name, array) pairs."""
+    """Fill an uninitialised model (`nnx.eval_shape`: no random init) from (HF name, array) pairs; with a `mesh`,
+    every parameter is placed on it with its table sharding."""
+    if mesh is not None:
+        check_mesh(mesh)
     model = nnx.eval_shape(lambda: Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     table = hf_key_table(cfg)
     loaded = set()
@@ -229,7 +268,11 @@ def build_model(
         param = _param(model, path)
         if value.shape != param.shape:
             raise CheckpointError(f"{source}: {name} has shape {value.shape} after layout, expected {param.shape}")
-        param.set_value(jnp.asarray(value, dtype))
+        if mesh is None:
+            param.set_value(jnp.asarray(value, dtype))
+        else:  # host -> devices, each device receiving its own shard
+            sharding = NamedSharding(mesh, param_spec(path, value.shape, mesh.shape))
+            param.set_value(jax.device_put(np.asarray(value).astype(dtype), sharding))
         loaded.add(name)
     missing = sorted(set(table) - loaded)
     if missing:
@@ -238,20 +281,22 @@ def build_model(
     return model
 
 
-def load_hf_checkpoint(directory: str | Path, dtype: jnp.dtype = jnp.float32) -> Qwen3:
+def load_hf_checkpoint(directory: str | Path, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> Qwen3:
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{directory}: not a Hugging Face checkpoint (no config.json)")
     cfg = config_from_hf(json.loads(config_path.read_text()), name=directory.name)
-    return build_model(cfg, safetensors_tensors(directory), dtype, source=str(directory))
+    return build_model(cfg, safetensors_tensors(directory), dtype, source=str(directory), mesh=mesh)
 
 
-def load_gguf(path: str | Path, dtype: jnp.dtype = jnp.float32, name: str | None = None) -> Qwen3:
+def load_gguf(
+    path: str | Path, dtype: jnp.dtype = jnp.float32, name: str | None = None, mesh: Mesh | None = None
+) -> Qwen3:
     path = Path(path)
     reader = gguf.GGUFReader(path)
     cfg = config_from_gguf(reader, name=name or path.stem)
-    return build_model(cfg, gguf_tensors(reader, cfg), dtype, source=str(path))
+    return build_model(cfg, gguf_tensors(reader, cfg), dtype, source=str(path), mesh=mesh)
 
 
 def load_config(path_or_name: str | Path) -> ModelConfig:
@@ -263,9 +308,10 @@ def load_config(path_or_name: str | Path) -> ModelConfig:
     return config_from_gguf(gguf.GGUFReader(path), name=name or path.stem)
 
 
-def load_model(path_or_name: str | Path, dtype: jnp.dtype = jnp.float32) -> Qwen3:
-    """An HF checkpoint directory, a `.gguf` file, a registered name (`qwen2.5-coder-0.5b`) or an HF repo id."""
+def load_model(path_or_name: str | Path, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> Qwen3:
+    """An HF checkpoint directory, a `.gguf` file, a registered name (`qwen2.5-coder-0.5b`) or an HF repo id;
+    with a `mesh`, loaded straight onto it."""
     path = resolve_model_path(path_or_name)
     if path.is_dir():
-        return load_hf_checkpoint(path, dtype)
-    return load_gguf(path, dtype, name=str(path_or_name) if str(path_or_name) in MODELS else None)
+        return load_hf_checkpoint(path, dtype, mesh)
+    return load_gguf(path, dtype, name=str(path_or_name) if str(path_or_name) in MODELS else None, mesh=mesh)

@@ -15,6 +15,9 @@ G query heads per KV head (N = K * G), H head dim, F MLP width, V vocabulary.
 Attention is split into `project` (q/k/v with norms and RoPE) and a separate attention
 function, so that a KV cache plugs in between: the full forward below attends to the
 tokens it was given; the engine attends to its cache.
+
+On a device mesh the parameters are laid out by `models/sharding.py`'s table, and the activations below are
+constrained with the same logical axes (`constrain`: a no-op without an active mesh).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pask_jax.kernels import masked_softmax
+from pask_jax.models.sharding import constrain
 
 # attend(layer_index, q f[B, T, N, H], k f[B, T, K, H], v f[B, T, K, H]) -> f[B, T, N, H]
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -224,7 +228,9 @@ class Attention(nnx.Module):
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: f[B, T, D], positions: i32[B, T] -> q f[B, T, N, H], k f[B, T, K, H], v f[B, T, K, H]."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = constrain(self.q_proj(x), "batch", None, "heads", None)
+        k = constrain(self.k_proj(x), "batch", None, "kv_heads", None)
+        v = constrain(self.v_proj(x), "batch", None, "kv_heads", None)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
@@ -238,7 +244,8 @@ class MLP(nnx.Module):
         self.down_proj = nnx.Einsum("BTF,FD->BTD", (f, d), param_dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # f[B, T, D]
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        hidden = constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), "batch", None, "mlp")  # f[B, T, F]
+        return self.down_proj(hidden)
 
 
 class DecoderLayer(nnx.Module):
@@ -271,7 +278,7 @@ class Qwen3(nnx.Module):
             out = jnp.einsum("BTD,VD->BTV", x, self.embed.embedding[...], preferred_element_type=jnp.float32)
         else:
             out = self.lm_head(x)
-        return out.astype(jnp.float32)
+        return constrain(out.astype(jnp.float32), "batch", None, "vocab")
 
     def forward(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn) -> jax.Array:
         """Hidden states before the final norm, f[B, T, D]; `attend(layer_index, q, k, v)` supplies attention.
@@ -279,11 +286,11 @@ class Qwen3(nnx.Module):
         The attend callback is where a cache plugs in: it may store k / v, attend to cached entries, or record
         attention statistics. It runs at trace time, so a Python closure over cache arrays works under `jax.jit`.
         """
-        x = self.embed(tokens)
+        x = constrain(self.embed(tokens), "batch", None, None)  # the residual stream: whole on every model shard
         for i, layer in enumerate(self.layers):
             q, k, v = layer.attn.project(layer.input_norm(x), positions)
             x = x + layer.attn.output(attend(i, q, k, v))
-            x = x + layer.mlp(layer.post_attn_norm(x))
+            x = constrain(x + layer.mlp(layer.post_attn_norm(x)), "batch", None, None)
         return x
 
     def __call__(
