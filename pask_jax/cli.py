@@ -1,4 +1,4 @@
-"""Command line: `pask-jax run | compare | bfcl | calibrate | bench | fetch-model` (`pask-jax CMD --help`)."""
+"""Command line: `pask-jax run | compare | bfcl | niah | calibrate | bench | fetch-model` (`pask-jax CMD --help`)."""
 
 from __future__ import annotations
 
@@ -24,16 +24,34 @@ def _llm_options(args: argparse.Namespace) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """OpenAI Batch lines -> chat.completion lines, resumable by custom_id; exit status 1 if any line failed."""
+    """OpenAI Batch lines -> chat.completion lines, resumable by custom_id; exit status 1 if any line failed.
+
+    Several processes (`jax.distributed.initialize()` from the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID, or PASK_DISTRIBUTED=1 on a Cloud TPU slice): process p of n answers the input lines whose 0-based
+    index mod n is p, into its own file `<output>.<p>-of-<n>` (see `pask_jax.batch`), each on a `--mesh` of its own
+    devices."""
+    import jax
+
     from pask_jax.batch import run_batch
+    from pask_jax.models.sharding import init_distributed, make_mesh, parse_mesh
+
+    init_distributed()  # before any JAX computation; a no-op unless the environment asks for it
+    mesh = None if args.mesh is None else make_mesh(*parse_mesh(args.mesh))
 
     def build():
         from pask_jax.llm import LLM
 
         memory = None if args.kv_memory_mb is None else int(args.kv_memory_mb * 2**20)
-        return LLM(args.model, max_batch=args.max_batch, kv_memory_bytes=memory, **_llm_options(args))
+        return LLM(
+            args.model,
+            max_batch=args.max_batch,
+            kv_memory_bytes=memory,
+            dtype=args.dtype,
+            mesh=mesh,
+            **_llm_options(args),
+        )
 
-    summary = run_batch(build, args.input, args.output)
+    summary = run_batch(build, args.input, args.output, process=jax.process_index(), processes=jax.process_count())
     print(summary.line(), file=sys.stderr)
     return 1 if summary.failed or summary.failed_before else 0
 
@@ -102,49 +120,98 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    """Calibration statistics on the BFCL calibration split (or `--stats` from an earlier run) -> compiled policy."""
-    from pask_jax import load_model, load_tokenizer
+    """Calibration statistics (on a user's requests `--data`, the BFCL calibration split, or `--stats` from an earlier
+    run) -> a compiled policy carrying them (`stats.json`), so it answers any budget; for `--data`, the dev part's
+    requests beside it (`dev.jsonl`, `split.json`)."""
+    from pathlib import Path
+
+    import jax
+
     from pask_jax.calibration.compiler import compile_policy
+    from pask_jax.calibration.data import (
+        DEFAULT_DEV_FRACTION,
+        data_digest,
+        prepare_requests,
+        read_requests,
+        split_requests,
+        write_split,
+    )
     from pask_jax.calibration.run import (
         DEFAULT_LEVELS,
         CalibrationStats,
         calibrate,
+        calibrate_requests,
         calibration_items,
-        init_distributed,
     )
-    from pask_jax.models.loading import load_config
-    from pask_jax.policy import ModelFingerprint
+    from pask_jax.llm import LLM
+    from pask_jax.models.sharding import init_distributed
+    from pask_jax.policy import STATS_FILE
 
-    init_distributed()  # multi-host pods: env-driven, a no-op on one machine
-    budgets = [float(b) for b in args.budgets.split(",")]
-    tokenizer = load_tokenizer(args.model)
-    fits = ModelFingerprint.of(load_config(args.model), tokenizer)
-    if args.stats:
-        stats = CalibrationStats.load(args.stats)
-    else:
-        model = load_model(args.model)
-        stats = calibrate(
-            model,
-            tokenizer,
-            calibration_items(args.per_category, rule=args.split_rule),
-            groups=args.groups,
-            levels=[float(x) for x in args.levels.split(",")] if args.levels else DEFAULT_LEVELS,
-            target=args.target,
-            rule=args.split_rule,
-            checkpoint_dir=args.checkpoint,
+    if args.data and args.stats:
+        raise ValueError("--data calibrates, --stats compiles earlier statistics: give one of them")
+    if args.data and (args.per_category is not None or args.split_rule is not None or args.target == "canonical"):
+        raise ValueError(
+            "--per-category, --split-rule and --target canonical are for BFCL calibration; --data calibrates on "
+            "your requests against the model's own answers"
         )
-        stats.save(f"{args.out}.stats.json")
+    if args.dev_fraction is not None and not args.data:
+        raise ValueError("--dev-fraction splits --data; BFCL has its own split (--split-rule)")
+    budgets = [float(b) for b in args.budgets.split(",")]
+    if not all(0.0 < b <= 1.0 for b in budgets):
+        raise ValueError(f"--budgets {args.budgets}: every budget must be in (0, 1]")
+    fraction = DEFAULT_DEV_FRACTION if args.dev_fraction is None else args.dev_fraction
+    split = split_requests(read_requests(args.data), fraction) if args.data else None  # bad lines: before any loading
+    init_distributed()  # multi-host pods: env-driven, a no-op on one machine
+    llm = LLM(args.model, method="full")  # config, tokenizer, chat template and fingerprint; weights on first use
+    options = dict(
+        groups=args.groups,
+        levels=[float(x) for x in args.levels.split(",")] if args.levels else DEFAULT_LEVELS,
+        checkpoint_dir=args.checkpoint,
+        max_items=args.max_items,
+    )
+    if args.stats:
+        source = Path(args.stats)
+        stats = CalibrationStats.load(source / STATS_FILE if source.is_dir() else source)
+    elif split is not None:
+        prepared = prepare_requests(llm.builder, split.calibration, args.data)  # bad requests: before the weights
+        stats = calibrate_requests(llm.model, llm.tokenizer, prepared, data=data_digest(split.calibration), **options)
+    else:
+        rule = args.split_rule or SPLIT_RULE
+        items = calibration_items(8 if args.per_category is None else args.per_category, rule=rule)
+        stats = calibrate(llm.model, llm.tokenizer, items, target=args.target or "own", rule=rule, **options)
+    if stats.n_items == 0:
+        reasons = sorted(set(stats.skipped.values()))[:3]
+        raise ValueError(f"no item was calibrated ({len(stats.skipped)} skipped: {reasons}); no policy written")
+    ran_with = {k: v for k, v in vars(args).items() if k not in ("command", "func") and v is not None}  # the record
     policy = compile_policy(
         stats,
         budgets,
         tolerance=args.tolerance,
         floor_share=args.floor_share,
         ablation=args.ablation,
-        fits=fits,
-        notes=f"pask-jax calibrate {' '.join(sys.argv[2:])}",
+        fits=llm.fingerprint,
+        notes="pask-jax calibrate " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ran_with.items()),
     )
-    path = policy.save(args.out)
-    print(f"policy for {stats.model} ({stats.n_items} items, budgets {budgets}) -> {path}")
+    path = policy.save(args.out)  # on a pod: every host takes part in orbax's save, the first one writes the files
+    if jax.process_index() > 0:
+        return
+    print(
+        f"policy for {stats.model} ({stats.n_items} items calibrated, {len(stats.skipped)} skipped; tables for "
+        f"{budgets}, any other budget compiled on load) -> {path}"
+    )
+    if split is not None:
+        dev_path, _ = write_split(path, split, args.data)
+        if not split.dev:
+            print("no dev part (--dev-fraction 0): check the policy on requests with other tool sets before use")
+            return
+        print(
+            f"dev part: {len(split.dev)} requests over {split.tool_sets('dev')} tool sets not calibrated on, in "
+            f"{dev_path}; check the policy on them before use:\n"
+            f"  pask-jax run -i {dev_path} -o dev_full.jsonl --model {args.model} --method full\n"
+            f"  pask-jax run -i {dev_path} -o dev_pask.jsonl --model {args.model} --policy {path} --budget "
+            f"{budgets[0]}\n"
+            f"  pask-jax compare {dev_path} dev_full.jsonl dev_pask.jsonl"
+        )
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -152,6 +219,63 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from pask_jax.bench import main as bench_main
 
     bench_main(args.args)
+
+
+def cmd_niah(args: argparse.Namespace) -> None:
+    """Needle-in-a-haystack retrieval per (method, budget, length, depth, haystack, mode): a table and a resumable
+    results JSON (`scripts/plot_niah.py` draws it)."""
+    from pathlib import Path
+
+    from pask_jax import niah
+
+    policy_paths = niah.parse_policies(args.policy or [])
+    methods = niah.parse_names(args.methods, "methods")
+    methods += tuple(spec for spec in (f"pask:{label}" for label in policy_paths) if spec not in methods)
+    cfg = niah.NiahConfig(
+        methods=methods,
+        budgets=niah.parse_floats(args.budgets, "budget"),
+        lengths=niah.parse_lengths(args.lengths),
+        depths=niah.parse_floats(args.depths, "depth"),
+        haystacks=niah.parse_names(args.haystacks, "haystacks"),
+        modes=niah.parse_names(args.modes, "modes"),
+        seed=args.seed,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        num_groups=args.groups,
+    )  # every list checked before anything loads
+    from pask_jax.methods import load_method_config
+    from pask_jax.models.chat_template import load_chat_template
+    from pask_jax.models.fetch import resolve_model_path
+    from pask_jax.models.loading import load_config, load_model
+    from pask_jax.models.tokenizer import load_tokenizer_from_path
+    from pask_jax.policy import ModelFingerprint, PersistencePolicy
+    from pask_jax.requests import RequestBuilder
+
+    policies = {label: PersistencePolicy.load(path) for label, path in policy_paths.items()}
+    method_config = load_method_config(args.method_config)
+    path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer_from_path(path)
+    niah.check_methods(cfg, method_config, policies, ModelFingerprint.of(load_config(args.model), tokenizer))
+    template = load_chat_template(path)
+    if template is None:
+        raise niah.NiahError(f"{args.model} ships no chat template, which the prompts are rendered with")
+    out = Path(args.out)
+    niah.read_results(out, niah.run_config(cfg, args.model, template.name, method_config, policies))
+    prompts = niah.build_prompts(RequestBuilder(tokenizer, template), cfg)  # tokens only: no model yet
+    enable_compile_cache()
+    result = niah.run_niah(
+        load_model(args.model),
+        tokenizer,
+        prompts,
+        cfg,
+        model_name=args.model,
+        template_name=template.name,
+        method_config=method_config,
+        policies=policies,
+        out=out,
+    )
+    print(niah.format_table(result))
+    print(f"wrote {out}", file=sys.stderr)
 
 
 def enable_compile_cache() -> None:
@@ -186,6 +310,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--kv-memory-mb", type=float, help="KV-cache memory per micro-batch: rows are admitted while it fits"
     )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="weights, activations and KV cache (auto: bfloat16 on TPU / GPU, float32 on CPU)",
+    )
+    p.add_argument("--mesh", help="DATAxMODEL mesh of this process's devices, e.g. 8x1 or 4x2 (default: one device)")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("compare", help="print the answers of several `run` outputs side by side")
     p.add_argument("input", help="the input JSONL the outputs answer")
@@ -241,28 +372,65 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
     p.add_argument("--out", help="write the full results JSON here")
     p.set_defaults(func=cmd_bfcl)
-    p = sub.add_parser("calibrate", help="calibrate PASK on the BFCL calibration split and compile a policy")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--budgets", default="0.2,0.33,0.5")
-    p.add_argument("--per-category", type=int, default=8, help="calibration items per BFCL category")
-    p.add_argument("--split-rule", default=SPLIT_RULE, choices=SPLIT_RULES, help="which calibration part to use")
+    p = sub.add_parser(
+        "calibrate", help="calibrate PASK on your requests (--data) or the BFCL calibration split; compile a policy"
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registered name, .gguf file or HF checkpoint directory")
+    p.add_argument(
+        "--data",
+        help="OpenAI Batch input lines (as `pask-jax run` reads) to calibrate on instead of BFCL; split by tool set "
+        "into a calibration part and a dev part (written beside the policy as dev.jsonl)",
+    )
+    p.add_argument(
+        "--dev-fraction", type=float, help="(--data) share of the requests held out as the dev part (default 0.2)"
+    )
+    p.add_argument("--budgets", default="0.2,0.33,0.5", help="budgets compiled into the policy (others on load)")
+    p.add_argument("--per-category", type=int, help="(BFCL) calibration items per category (default 8)")
+    p.add_argument("--split-rule", choices=SPLIT_RULES, help=f"(BFCL) which calibration part (default {SPLIT_RULE})")
     p.add_argument("--groups", type=int, default=4, help="layer groups")
     p.add_argument("--levels", help="comma-separated keep levels per bucket, 0 included (default: DEFAULT_LEVELS)")
     p.add_argument(
         "--target",
-        default="own",
         choices=("own", "canonical"),
-        help="teacher-forced call: the model's own full-KV call, or the rendered ground truth",
+        help="(BFCL) teacher-forced call: the model's own full-KV call (default; always for --data), or the rendered "
+        "ground truth",
     )
     p.add_argument("--tolerance", type=float, default=0.02, help="task-error increase a floor may allow")
     p.add_argument("--checkpoint", help="orbax progress directory (rerun to resume)")
+    p.add_argument("--max-items", type=int, help="calibrate at most this many items now (rerun with --checkpoint)")
     p.add_argument(
         "--floor-share", type=float, default=1.0, help="fraction of a layer group's share its floors may take"
     )
-    p.add_argument("--stats", help="compile from saved calibration statistics instead of calibrating")
+    p.add_argument("--stats", help="compile saved statistics (a stats.json, or a policy directory holding one) instead")
     p.add_argument("--ablation", default="none", choices=ABLATIONS, help="compile an ablated policy")
-    p.add_argument("--out", required=True, help="policy directory, e.g. policies/qwen2.5-coder-0.5b")
+    p.add_argument("--out", required=True, help="policy directory, e.g. policies/my-model")
     p.set_defaults(func=cmd_calibrate)
+    p = sub.add_parser("niah", help="needle-in-a-haystack retrieval for every method at the same KV budgets")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument(
+        "--methods",
+        default="full,dapq,snapkv,pyramidkv,h2o,streamingllm,pask",
+        help="comma-separated method specs (pask: uncalibrated); each --policy adds pask:LABEL",
+    )
+    p.add_argument("--budgets", default="0.03,0.1,0.2", help="total KV budgets in (0, 1], comma-separated")
+    p.add_argument("--lengths", default="2k,4k,8k", help="prompt lengths in tokens (k = 1024), comma-separated")
+    p.add_argument(
+        "--depths", default="0,10,20,30,40,50,60,70,80,90,100", help="needle depths, percent of the haystack"
+    )
+    p.add_argument("--haystacks", default="noise,prose", help="noise (repeated filler) and/or prose (Python's docs)")
+    p.add_argument("--modes", default="free,json", help="free (text) and/or json (grammar-constrained) answers")
+    p.add_argument("--seed", type=int, default=0, help="draws every needle's key and number")
+    p.add_argument("--batch-size", type=int, default=4, help="prompts per shared prefill")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--groups", type=int, default=4, help="layer groups (a policy's own groups win)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        help="[LABEL=]PATH: a compiled PASK policy, run as method pask:LABEL (default label: calibrated); repeatable",
+    )
+    p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
+    p.add_argument("--out", required=True, help="results JSON; an existing one is resumed (only missing cells run)")
+    p.set_defaults(func=cmd_niah)
     # prefix "+": every "--flag" after `bench` is passed through to the script's own parser (`pask-jax bench --help`)
     p = sub.add_parser("bench", help="benchmarks: serving | decode | kernel", prefix_chars="+", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER, help="a benchmark and its flags (`pask-jax bench serving --help`)")
