@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -162,6 +162,22 @@ def run_category(
     ]
 
 
+def resolve_spec(
+    spec: str, method_config: Mapping[str, dict], policies: Mapping[str, PersistencePolicy]
+) -> tuple[str, dict, PersistencePolicy | None]:
+    """A method spec -> (method name, hyper-parameter overrides, PASK's policy or None), by the rules of
+    `build_engines`; ValueError for an unknown method or a label with neither a config section nor a policy."""
+    name, _, label = spec.partition(":")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r} in {spec!r}; known: {', '.join(METHODS)}")
+    if label and spec not in method_config and not (name == "pask" and label in policies):
+        raise ValueError(
+            f"{spec!r}: a label must name a method-config section [{spec!r}] (or, for pask, a --policy LABEL=PATH)"
+        )
+    policy = policies.get(label, policies.get("pask")) if name == "pask" else None
+    return name, method_config.get(name, {}) | method_config.get(spec, {}), policy
+
+
 def build_engines(
     model: Qwen3,
     tokenizer: Tokenizer,
@@ -176,15 +192,7 @@ def build_engines(
     section, then the spec's own section."""
     engines = {}
     for spec in cfg.methods:
-        name, _, label = spec.partition(":")
-        if name not in METHODS:
-            raise ValueError(f"unknown method {name!r} in {spec!r}; known: {', '.join(METHODS)}")
-        if label and spec not in method_config and not (name == "pask" and label in policies):
-            raise ValueError(
-                f"{spec!r}: a label must name a method-config section [{spec!r}] (or, for pask, a --policy LABEL=PATH)"
-            )
-        policy = policies.get(label, policies.get("pask")) if name == "pask" else None
-        overrides = method_config.get(name, {}) | method_config.get(spec, {})
+        name, overrides, policy = resolve_spec(spec, method_config, policies)
         for budget in cfg.budgets if name != "full" else (1.0,):  # full KV ignores the budget: run it once
             engines[(spec, budget)] = make_engine(
                 model,

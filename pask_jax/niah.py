@@ -53,7 +53,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, SamplingConfig, generate_shared
-from pask_jax.evaluate import EvalConfig, build_engines
+from pask_jax.evaluate import EvalConfig, build_engines, resolve_spec
 from pask_jax.methods import METHODS
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import Tokenizer
@@ -421,12 +421,8 @@ def score_answer(text: str, number: str, mode: str) -> tuple[str | None, bool]:
 def spec_settings(spec: str, method_config: Mapping[str, dict], policies: Mapping[str, PersistencePolicy]) -> dict:
     """What a method spec runs with, as `evaluate.build_engines` resolves it: its hyper-parameter overrides and its
     policy's content hash (recorded, and compared when a run resumes a results file)."""
-    name, _, label = spec.partition(":")
-    policy = policies.get(label, policies.get("pask")) if name == "pask" else None
-    return {
-        "overrides": method_config.get(name, {}) | method_config.get(spec, {}),
-        "policy": policy.content_hash() if policy is not None else None,
-    }
+    _, overrides, policy = resolve_spec(spec, method_config, policies)
+    return {"overrides": overrides, "policy": policy.content_hash() if policy is not None else None}
 
 
 def check_methods(
@@ -438,10 +434,10 @@ def check_methods(
     """Refuse, before any model work, a spec label with neither a policy nor a config section, a policy that does not
     answer one of the budgets, and (given the model's `fingerprint`) a policy calibrated for another model."""
     for spec in cfg.methods:
-        name, _, label = spec.partition(":")
-        if label and spec not in method_config and not (name == "pask" and label in policies):
-            raise NiahError(f"{spec!r}: a label must name a method-config section or, for pask, a policy LABEL=PATH")
-        policy = policies.get(label, policies.get("pask")) if name == "pask" else None
+        try:
+            _, _, policy = resolve_spec(spec, method_config, policies)
+        except ValueError as exc:
+            raise NiahError(str(exc)) from None
         if policy is None:
             continue
         if fingerprint is not None:
