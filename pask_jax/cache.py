@@ -227,6 +227,22 @@ class GroupCache:
             pos=_set_slots(self.pos, layer, jnp.where(do, slot, drop), jnp.full(slot.shape, -1, jnp.int32), self.axes),
         )
 
+    def insert_rows(self, other: GroupCache, rows: jax.Array) -> GroupCache:
+        """Replace sequence rows `rows` (i32[b]) with `other`'s b rows (same layers, heads and capacity), as a
+        continuous batcher places freshly prefilled requests; a row index past the batch is skipped (padding)."""
+        if other.k.shape[0] != self.k.shape[0] or other.k.shape[2:] != self.k.shape[2:]:
+            raise ValueError(f"cannot insert rows of a {other.k.shape} pool into a {self.k.shape} one")
+
+        def put(x: jax.Array, y: jax.Array) -> jax.Array:  # axis 1 is the sequence in every per-row array
+            return x.at[:, rows].set(y, mode="drop")
+
+        fields = ("k", "v", "pos", "role", "score", "table", "length")
+        return dataclasses.replace(
+            self,
+            **{name: put(getattr(self, name), getattr(other, name)) for name in fields},
+            overflow=self.overflow | other.overflow,
+        ).constrain()
+
     def attend(self, layer: int, q: jax.Array, use_kernel: bool = False) -> jax.Array:
         """Decode attention of q (f[B, N, H], RoPE applied) to the live slots of one layer -> f[B, N, H].
 

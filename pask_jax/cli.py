@@ -48,6 +48,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             kv_memory_bytes=memory,
             dtype=args.dtype,
             mesh=mesh,
+            scheduler=args.scheduler,
             **_llm_options(args),
         )
 
@@ -306,9 +307,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--policy", default="auto", help="PASK policy: auto (the shipped one that fits the model), a directory, none"
     )
-    p.add_argument("--max-batch", type=int, default=8, help="rows per micro-batch")
+    p.add_argument("--max-batch", type=int, default=8, help="cache rows (continuous) or rows per micro-batch (static)")
     p.add_argument(
-        "--kv-memory-mb", type=float, help="KV-cache memory per micro-batch: rows are admitted while it fits"
+        "--kv-memory-mb", type=float, help="KV-cache memory: it sets the row count (a smaller cache gets more rows)"
+    )
+    p.add_argument(
+        "--scheduler",
+        default="continuous",
+        choices=("continuous", "static"),
+        help="continuous: a finished row takes the next request at once; static: micro-batches decode to their end",
     )
     p.add_argument(
         "--dtype",

@@ -254,6 +254,12 @@ class StepPlan:
 
     def decode(self, params, caches, tokens, positions, roles, prompt_lengths, mask_bits, key, temperature, top_p):
         """One token per sequence: write its K/V, attend to the cache, enforce the running cap, mask, sample."""
+        logits, caches, kept, overflow = self.decode_logits(params, caches, tokens, positions, roles, prompt_lengths)
+        next_tokens = _sample_masked(logits, mask_bits, key, temperature, top_p)
+        return next_tokens, caches, kept, overflow
+
+    def decode_logits(self, params, caches, tokens, positions, roles, prompt_lengths):
+        """`decode` before the mask and the sampler -> (logits f32[B, V], caches, kept i32[B], overflow bool[])."""
         with mesh_context(self.mesh):
             model = nnx.merge(self.graphdef, params)
             b = tokens.shape[0]
@@ -291,10 +297,9 @@ class StepPlan:
 
             hidden = model.forward(tokens[:, None], positions[:, None], attend)
             logits = model.logits(hidden)[:, 0]
-            next_tokens = _sample_masked(logits, mask_bits, key, temperature, top_p)
             kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B] over layers and heads
             overflow = jnp.stack([c.overflow for c in caches]).any()
-            return next_tokens, caches, kept, overflow
+            return logits, caches, kept, overflow
 
 
 def prefill_plans(plans: tuple[StepPlan, ...], params, tokens, lengths, roles, capacities: tuple[tuple[int, ...], ...]):
@@ -358,6 +363,13 @@ def prefill_plans(plans: tuple[StepPlan, ...], params, tokens, lengths, roles, c
 # One compiled function per static signature (plan, capacities / sampling); the caches are donated to each step.
 _prefill = jax.jit(prefill_plans, static_argnums=(0, 5))
 _decode = jax.jit(StepPlan.decode, static_argnums=(0, 9, 10), donate_argnums=(2,))
+_decode_logits = jax.jit(StepPlan.decode_logits, static_argnums=(0,), donate_argnums=(2,))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _insert_rows(caches: list[GroupCache], new: list[GroupCache], rows: jax.Array) -> list[GroupCache]:
+    """Every group cache's rows `rows` (i32[b], past the batch: skipped) replaced by `new`'s b rows."""
+    return [cache.insert_rows(fresh, rows) for cache, fresh in zip(caches, new, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,6 +564,31 @@ class Engine:
             sampling.temperature,
             sampling.top_p,
         )
+
+    def decode_logits(
+        self,
+        caches: list[GroupCache],
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        roles: np.ndarray,
+        prompt_lengths: np.ndarray,
+    ):
+        """`decode_step` up to the logits (dispatched asynchronously: the host may build the token mask meanwhile)
+        -> (logits f32[B, V], caches, kept i32[B], overflow bool[]); `caches` are donated."""
+        placed = (self.rows(x) for x in (tokens, positions, roles, prompt_lengths))
+        return _decode_logits(self.plan, self.params, caches, *placed)
+
+    def sample(
+        self, logits: jax.Array, mask_bits: jax.Array | np.ndarray, key: jax.Array, sampling: SamplingConfig
+    ) -> jax.Array:
+        """Masked sampling of f32[B, V] logits under the packed mask i32[B, ceil(V/32)] -> i32[B]."""
+        return _sample_masked(logits, self.rows(mask_bits), key, sampling.temperature, sampling.top_p)
+
+    def insert_rows(self, caches: list[GroupCache], new: list[GroupCache], rows: np.ndarray) -> list[GroupCache]:
+        """Rows `rows` (i32[b]; an index past the batch is skipped) of `caches` (donated) replaced by the b rows of
+        `new` (a prefill's caches at the same capacities): how a request enters a running batch, with no recompile
+        for the row it lands in."""
+        return _insert_rows(caches, new, jnp.asarray(rows, jnp.int32))
 
     def generate(
         self,

@@ -4,16 +4,19 @@
     [answer] = llm.chat({"messages": [...], "tools": [...], "temperature": 0})
     answer["choices"][0]["message"]["tool_calls"]    # OpenAI shape; answer["pask"]: kept/full KV, TTFT, ...
 
-Requests are rendered with the checkpoint's own chat template, their tool calls (or JSON content) decoded under the
-grammar, and batched: requests that share sampling settings and constrained-ness are length-sorted into micro-batches
-of up to `max_batch` rows whose KV cache fits `kv_memory_bytes` (if given: a method that keeps less fits more rows).
+Requests are rendered with the checkpoint's own chat template and their tool calls (or JSON content) decoded under
+the grammar. `scheduler="continuous"` (the default, `pask_jax.scheduler`): requests that share sampling settings run
+through one cache of up to `max_batch` rows, in order; a row whose answer ends takes the next request at once, and
+`kv_memory_bytes` (if given) sets the row count (a method that keeps less gets more rows in the same memory).
+`scheduler="static"`: requests that share sampling settings and constrained-ness are length-sorted into micro-batches
+of up to `max_batch` rows whose KV cache fits `kv_memory_bytes`; a batch decodes until its longest answer ends.
 The model's weights load on first use, so bad requests are refused before that.
 `dtype`: the weights', activations' and cache's dtype ("float32", "bfloat16"; None: bfloat16 on TPU / GPU, float32 on
 CPU; a given model instance keeps its own unless one is named). `mesh`: a (`data`, `model`) device mesh
 (`pask_jax.models.sharding.make_mesh`); the weights load straight onto it.
 `policy`: "auto" (PASK only) finds the shipped policy that fits the model by fingerprint; a directory loads that
 policy (refused if it fits another model); None runs PASK uncalibrated (recency with sinks).
-Sampling: `seed` applies per micro-batch (requests with different seeds never share one); `stop` strings cut the
+Sampling: `seed` applies per batch (requests with different seeds never share one); `stop` strings cut the
 returned text (the row still decodes to its end or its token limit).
 """
 
@@ -39,11 +42,13 @@ from pask_jax.models.sharding import check_mesh
 from pask_jax.models.tokenizer import Tokenizer, load_tokenizer_from_path
 from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
 from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError, parse_request
+from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
 from pask_jax.structure import FreeTextConstraint, GrammarConstraint
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 DEFAULT_MAX_CONTEXT = 32768
 _TOOL_CALL_OPEN, _TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+SCHEDULERS = ("continuous", "static")
 
 
 class LLM:
@@ -66,9 +71,13 @@ class LLM:
         method_overrides: dict | None = None,
         dtype: str | None = None,
         mesh: Mesh | None = None,
+        scheduler: str = "continuous",
+        overlap_grammar: bool = True,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {scheduler!r}; choose from {', '.join(SCHEDULERS)}")
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
         if not 0.0 < budget <= 1.0:
@@ -95,6 +104,7 @@ class LLM:
             self.policy.table(self.budget)  # refuse a budget the policy does not answer before loading weights
         self.builder = RequestBuilder(tokenizer, chat_template, max_context=max_context)
         self.max_batch, self.kv_memory_bytes = max_batch, kv_memory_bytes
+        self.scheduler, self.overlap_grammar = scheduler, overlap_grammar
         self._engine_options = dict(num_groups=num_groups, use_kernel=use_kernel, overrides=method_overrides)
         self._engine: Engine | None = None
 
@@ -151,15 +161,22 @@ class LLM:
                 answers[i] = completion
         return answers
 
-    def micro_batches(self, prepared: Sequence[PreparedRequest]) -> list[list[int]]:
-        """Indices grouped by sampling settings and constrained-ness, length-sorted, at most `max_batch` each."""
+    @staticmethod
+    def sampling_groups(prepared: Sequence[PreparedRequest], by_constraint: bool = False) -> list[list[int]]:
+        """Indices of requests that can share a batch: the same temperature, top-p and (when sampling) seed, and with
+        `by_constraint` the same constrained-ness; in input order."""
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(prepared):
             r = p.request
-            key = (r.temperature, r.top_p, r.seed if r.temperature > 0 else 0, p.grammar is not None)
-            groups.setdefault(key, []).append(i)
+            key = (r.temperature, r.top_p, r.seed if r.temperature > 0 else 0)
+            groups.setdefault(key + ((p.grammar is not None,) if by_constraint else ()), []).append(i)
+        return list(groups.values())
+
+    def micro_batches(self, prepared: Sequence[PreparedRequest]) -> list[list[int]]:
+        """Static batches: indices grouped by sampling settings and constrained-ness, length-sorted, at most
+        `max_batch` each."""
         batches = []
-        for indices in groups.values():
+        for indices in self.sampling_groups(prepared, by_constraint=True):
             indices.sort(key=lambda i: len(prepared[i].ids))
             batch: list[int] = []
             for i in indices:
@@ -178,17 +195,65 @@ class LLM:
         return self.engine.cache_bytes(shape) <= self.kv_memory_bytes
 
     def generate(self, prepared: Sequence[PreparedRequest]) -> Iterator[tuple[list[int], list[dict | Exception]]]:
-        """Run prepared requests micro-batch by micro-batch: yields (their indices, their completions). A request
-        whose cache alone exceeds `kv_memory_bytes` gets a RequestError in place of its completion."""
+        """Run prepared requests: yields (indices, their completions) as they finish (continuous: one at a time;
+        static: a micro-batch at a time). A request whose cache alone exceeds `kv_memory_bytes` gets a RequestError
+        in place of its completion."""
+        if self.scheduler == "continuous":
+            yield from self._generate_continuous(prepared)
+            return
         for indices in self.micro_batches(prepared):
             batch = [prepared[i] for i in indices]
-            if len(batch) == 1 and not self._fits(batch):
-                shape = self.engine.batch_shape([len(batch[0].ids)], batch[0].request.max_tokens)
-                need = self.engine.cache_bytes(shape)
-                error = RequestError(f"its KV cache needs {need} bytes, over the limit of {self.kv_memory_bytes}")
+            if len(batch) == 1 and (error := self._too_large(batch[0])) is not None:
                 yield indices, [error]
                 continue
             yield indices, self._run(batch)
+
+    def _too_large(self, p: PreparedRequest) -> RequestError | None:
+        """The error of a request whose KV cache alone (one row) exceeds `kv_memory_bytes`, else None."""
+        if self.kv_memory_bytes is None:
+            return None
+        need = self.engine.cache_bytes(self.engine.batch_shape([len(p.ids)], p.request.max_tokens))
+        if need <= self.kv_memory_bytes:
+            return None
+        return RequestError(f"its KV cache needs {need} bytes, over the limit of {self.kv_memory_bytes}")
+
+    def _generate_continuous(self, prepared: Sequence[PreparedRequest]) -> Iterator[tuple[list[int], list]]:
+        """Per sampling group, waves of requests (in order) through a `ContinuousBatcher`: a wave grows while one row
+        sized for all of its members fits the memory limit; the limit sets its row count."""
+        engine = self.engine
+        for group in self.sampling_groups(prepared):
+            waves: list[list[int]] = [[]]
+            for i in group:
+                if (error := self._too_large(prepared[i])) is not None:
+                    yield [i], [error]
+                elif self._rows([prepared[j] for j in [*waves[-1], i]]) < 1:
+                    waves.append([i])
+                else:
+                    waves[-1].append(i)
+            for wave in filter(None, waves):
+                batch = [prepared[i] for i in wave]
+                first = batch[0].request
+                sampling = SamplingConfig(temperature=first.temperature, top_p=first.top_p, seed=first.seed)
+                batcher = ContinuousBatcher(engine, self._rows(batch), sampling, overlap_grammar=self.overlap_grammar)
+                sequences = [
+                    SequenceRequest(p.ids, p.request.max_tokens, p.roles, self._constraint([p])) for p in batch
+                ]
+                for k, generation in batcher.run(sequences):
+                    yield [wave[k]], [self.completion(batch[k], generation, int(time.time()))]
+
+    def _rows(self, batch: Sequence[PreparedRequest]) -> int:
+        """Rows of a continuous batch of these requests: `max_batch`, or fewer if the memory limit says so."""
+        if self.kv_memory_bytes is None:
+            return self.max_batch
+        sequences = [SequenceRequest(p.ids, p.request.max_tokens) for p in batch]
+        return rows_for_memory(self.engine, row_shape(self.engine, sequences, 1), self.kv_memory_bytes, self.max_batch)
+
+    def _constraint(self, batch: Sequence[PreparedRequest]) -> GrammarConstraint | FreeTextConstraint:
+        """The constraint of requests that are all grammar-constrained or all free."""
+        vocab = self.engine.cfg.vocab_size
+        if batch[0].grammar is not None:
+            return GrammarConstraint([p.grammar for p in batch], vocab)
+        return FreeTextConstraint(len(batch), vocab, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
 
     def _run(self, batch: list[PreparedRequest]) -> list[dict]:
         engine, first = self.engine, batch[0].request
@@ -198,11 +263,7 @@ class LLM:
             top_p=first.top_p,
             seed=first.seed,
         )
-        vocab = engine.cfg.vocab_size
-        if batch[0].grammar is not None:
-            constraint = GrammarConstraint([p.grammar for p in batch], vocab)
-        else:
-            constraint = FreeTextConstraint(len(batch), vocab, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
+        constraint = self._constraint(batch)
         start = time.perf_counter()
         generations = engine.generate(
             [p.ids for p in batch], sampling, prompt_roles=[p.roles for p in batch], constraint=constraint

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for a lent NVIDIA machine, in under 5 minutes: install, the GPU kernel's parity tests compiled (Triton),
 # the kernel micro-benchmark (float32 and bfloat16), the sharded engine on meshes over every local device (greedy
-# tokens against one device), then the serving benchmark if present. Results go to $OUT.
+# tokens against one device), then the serving benchmark: fixed-length batches, and a request stream under static and
+# continuous batching. Results go to $OUT.
 #
 #   bash scripts/device_bench.sh                  # on the GPU machine (OUT defaults to results/device)
 #   bash scripts/device_bench.sh --fetch-wheels   # here, beforehand: wheels an offline GPU machine lacks -> .whl/
@@ -100,4 +101,10 @@ PY
 echo "== serving benchmark"
 # shellcheck disable=SC2086  # SERVING_ARGS is a list of words
 timeout "${SERVING_TIMEOUT:-150}" "$PY" -m pask_jax.bench serving --quick --out "$OUT/serving_gpu.json" ${SERVING_ARGS:-}
+
+echo "== request stream: static vs continuous batching at one KV memory (natural answer lengths)"
+# shellcheck disable=SC2086
+timeout "${STREAM_TIMEOUT:-150}" "$PY" -m pask_jax.bench serving --scheduler static,continuous --workloads bfcl \
+    --pool 32 --methods full,pask,snapkv --budgets 0.33 --max-new-tokens 64 --memory-batch 4 --max-batch 32 \
+    --repeats 2 --no-plot --out "$OUT/serving_stream_gpu.json" ${SERVING_ARGS:-} || tests_rc=1
 exit "$tests_rc"

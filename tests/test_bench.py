@@ -168,6 +168,31 @@ def test_serving_refuses_bad_flags_before_loading(capsys):
     assert "workload 'long'" in err and "--repeats" in err
 
 
+def test_request_stream_static_and_continuous_under_one_memory_limit(tmp_path):
+    """`--scheduler`: both schedulers serve every request; rows follow the memory limit (static: a power of two,
+    continuous: any count that fits, so at least as many), no compile after the warm-up, ratios per repeat."""
+    out = tmp_path / "stream.json"
+    args = ["--model", "tiny", "--scheduler", "static,continuous", "--workloads", "bfcl", "--pool", "5"]
+    args += ["--methods", "full,snapkv", "--budgets", "0.33", "--max-new-tokens", "6", "--memory-batch", "2"]
+    result = pask_jax.bench.main(["serving", *args, "--repeats", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["complete"] and "| bfcl | snapkv | 0.33 | continuous |" in (
+        out.with_suffix(".md").read_text()
+    )
+    part = result["workloads"]["bfcl"]
+    runs = {(r["method"], r["scheduler"]): r for r in part["runs"]}
+    assert set(runs) == {(m, s) for m in ("full", "snapkv") for s in ("static", "continuous")}
+    assert runs["full", "static"]["rows"] == runs["full", "continuous"]["rows"] == 2
+    assert runs["snapkv", "continuous"]["rows"] >= runs["snapkv", "static"]["rows"] > 2
+    assert runs["snapkv", "static"]["rows"] & (runs["snapkv", "static"]["rows"] - 1) == 0  # a power of two
+    for r in part["runs"]:
+        assert r["cache_bytes"] <= part["memory_limit_bytes"] and r["recompiles_after_warmup"] == 0
+        assert [x["requests"] for x in r["repeats"]] == [5, 5] and r["output_tokens_per_s"] > 0
+        assert r["ttft_p50_ms"] <= r["ttft_p95_ms"] <= r["latency_p95_ms"]
+    assert runs["full", "continuous"]["ratio_vs_full"]["requests_per_s"] == 1.0
+    with pytest.raises(SystemExit):
+        serving.main(["--model", "tiny", "--scheduler", "paged"])
+
+
 # ---- workloads, machine --------------------------------------------------------------------------------------------
 
 

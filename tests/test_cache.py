@@ -65,6 +65,23 @@ def test_fill_write_evict_roundtrip():
     assert not bool(cache.overflow)
 
 
+def test_insert_rows_replaces_only_the_named_rows():
+    rng = np.random.default_rng(1)
+    big = GroupCache.empty(2, 4, K, C, H, jnp.float32)
+    big = big.write(0, *(jnp.ones((4, K, H)),) * 2, jnp.arange(4), jnp.zeros(4, jnp.int32), jnp.ones((4, K), bool))
+    small = GroupCache.empty(2, 2, K, C, H, jnp.float32)
+    values = jnp.asarray(rng.normal(size=(2, K, H)), jnp.float32)
+    small = small.write(1, values, values, jnp.array([7, 9]), jnp.array([3, 4]), jnp.ones((2, K), bool))
+    out = big.insert_rows(small, jnp.array([2, 4]))  # row 4 is past the batch: skipped (a padding row)
+    for name in ("k", "v", "pos", "role", "score", "table", "length"):
+        got, before, fresh = (np.asarray(getattr(c, name)) for c in (out, big, small))
+        np.testing.assert_array_equal(got[:, 2], fresh[:, 0], err_msg=name)
+        np.testing.assert_array_equal(got[:, [0, 1, 3]], before[:, [0, 1, 3]], err_msg=name)
+    check_invariants(out)
+    with pytest.raises(ValueError, match="cannot insert rows"):
+        big.insert_rows(GroupCache.empty(2, 2, K, C + 1, H, jnp.float32), jnp.array([0, 1]))
+
+
 def test_overflow_is_flagged_not_silent():
     cache = GroupCache.empty(1, 1, 1, 2, H, jnp.float32)
     one = jnp.ones((1, 1, H))

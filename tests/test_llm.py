@@ -135,6 +135,31 @@ def test_stop_strings_cut_text_and_bad_requests_name_their_index(llm: LLM):
         llm.chat(_body("word " * 40_000))
 
 
+def test_continuous_and_static_schedulers_give_the_same_answers(llm: LLM, tiny_qwen_vocab, qwen_tok):
+    """Mixed requests (calls, JSON, text; different lengths and limits) through 2 continuous rows and through
+    static micro-batches: the same messages and finish reasons (ids aside)."""
+    template = ChatTemplate((DATA / "qwen2.5_instruct.jinja").read_text(), eos_token="<|im_end|>")
+    common = dict(tokenizer=qwen_tok, chat_template=template, method="pask", budget=0.5, policy=None)
+    bodies = [
+        _body(tools=[WEATHER, ALARM], tool_choice="required", parallel_tool_calls=False),
+        _body("Say hi", max_tokens=5),
+        _body(response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": OK_SCHEMA}}),
+        _body("Weather in Lima, please?", tools=[WEATHER], tool_choice="required", max_tokens=40),
+        _body("Say hello to everyone", max_tokens=9),
+    ]
+
+    def answers(scheduler: str) -> list:
+        out = LLM(tiny_qwen_vocab, scheduler=scheduler, max_batch=2, **common).chat(bodies)
+        for answer in out:  # random ids differ by construction
+            for call in answer["choices"][0]["message"].get("tool_calls", []):
+                call.pop("id")
+        return [(a["choices"][0]["message"], a["choices"][0]["finish_reason"], a["usage"]) for a in out]
+
+    assert answers("continuous") == answers("static")
+    with pytest.raises(ValueError, match="unknown scheduler 'paged'"):
+        LLM(tiny_qwen_vocab, scheduler="paged", **common)
+
+
 def test_policy_auto_finds_none_for_a_tiny_model(tiny_qwen_vocab, qwen_tok):
     with pytest.raises(PolicyError, match="no shipped PASK policy fits"):
         LLM(tiny_qwen_vocab, tokenizer=qwen_tok, method="pask", policy="auto")
@@ -202,6 +227,7 @@ def test_kv_memory_limit_admits_more_rows_for_a_smaller_cache(tiny_qwen_vocab, q
     assert [len(b) for b in full.micro_batches(prepared)] == [2, 2, 2, 2]
     snap = LLM(tiny_qwen_vocab, method="snapkv", budget=0.33, kv_memory_bytes=two_rows, **common)
     assert max(len(b) for b in snap.micro_batches(prepared)) > 2  # a third of the cache: more rows in the same bytes
+    assert full._rows(prepared[:2]) == 2 and snap._rows(prepared[:2]) > 2  # continuous rows: the same rule
     tight = LLM(tiny_qwen_vocab, method="full", kv_memory_bytes=16, **common)
     with pytest.raises(RequestError, match="request 0: its KV cache needs"):
         tight.chat(bodies[0])

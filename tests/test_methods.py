@@ -17,6 +17,7 @@ from pask_jax.calibration.compiler import compile_policy
 from pask_jax.engine import Engine, SamplingConfig, generate_shared
 from pask_jax.methods import METHODS, DapQ, KVMethod, PaskKV, PyramidKV, SnapKV
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.scheduler import ContinuousBatcher, SequenceRequest
 from pask_jax.structure.roles import Role
 
 PROMPTS = [list(range(3, 40)), [7, 7, 120, 5, 9, 11, 13, 2, 2, 8, 100, 101], list(range(50, 75))]
@@ -87,6 +88,23 @@ def test_deterministic_and_batch_equals_single(model: Qwen3, name: str):
         for p, r in zip(PROMPTS[:2], ROLES, strict=False)
     ]
     assert single == first[:2]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_continuous_batching_equals_static(model: Qwen3, name: str):
+    """Five requests with their own token limits through four cache rows (one ends at its first token, its row takes
+    the fifth request mid-run) give static batching's greedy tokens and kept ratios, each cut at its limit.
+    (The static run and the four-row shapes are those of the test above: its compiled steps are reused.)"""
+    engine = make(model, name, 0.4)
+    static = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
+    which, limits = [0, 1, 2, 0, 1], [NEW, 3, 9, 1, 14]
+    requests = [SequenceRequest(PROMPTS[k], n, ROLES[k]) for k, n in zip(which, limits, strict=True)]
+    continuous = dict(ContinuousBatcher(engine, rows=4).run(requests))
+    assert sorted(continuous) == list(range(len(requests)))
+    for i, (k, limit) in enumerate(zip(which, limits, strict=True)):
+        assert continuous[i].tokens == static[k].tokens[:limit], (i, limit)
+        assert continuous[i].stats.kept_ratios == static[k].stats.kept_ratios[:limit], i
+        assert continuous[i].finish_reason == "length"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

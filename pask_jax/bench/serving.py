@@ -60,6 +60,7 @@ import numpy as np
 from flax import nnx
 
 from pask_jax.bench.machine import code_state, compiles_so_far, device_peak_bytes, machine_info
+from pask_jax.bench.stream import SCHEDULERS, Stream, bench_stream, format_stream_table, plot_stream, stream_result
 from pask_jax.bench.workloads import Workload, build_workload, workload_tokens
 from pask_jax.engine import NEW_TOKEN_BUCKET, BatchShape, Engine, SamplingConfig, new_token_bucket
 from pask_jax.factory import make_engine
@@ -454,6 +455,36 @@ def run_benchmark(
     return result
 
 
+def run_stream_benchmark(
+    cfg: BenchConfig,
+    schedulers: Sequence[str],
+    out: Path | None = None,
+    progress: Callable[[str], None] = lambda msg: None,
+    command: str = "",
+) -> dict:
+    """`--scheduler`: every workload as a request stream (`pask_jax.bench.stream`), rows stopping at EOS."""
+    cfg = dataclasses.replace(cfg, stop_at_eos=True)  # natural answer lengths
+    compiles_so_far()
+    setup = load_setup(cfg)
+    result = stream_result(setup.name, dataclasses.asdict(cfg) | {"schedulers": list(schedulers)}, command)
+    for name in cfg.workloads:
+        progress(f"{name}: building prompts")
+        workload = workload_of(setup, name, cfg)
+        stream = Stream.of(workload, cfg.max_new_tokens, cfg.seed)
+        engines = [(m, b, bench_engine(setup, m, b, cfg)) for m, b in engine_grid(cfg)]
+        part = bench_stream(engines, stream, schedulers, cfg.memory_batch, cfg.max_batch, cfg.repeats, progress)
+        result["workloads"][name] = {
+            "description": workload.description,
+            "prompt_tokens": [len(workload.prompts[i]) for i in stream.order],
+            "items": [workload.item_ids[i] for i in stream.order],
+            **part,
+        }
+        _write(result, out)
+    result["complete"] = True
+    _write(result, out)
+    return result
+
+
 def _save_runs(result: dict, out: Path | None, workload: Workload, earlier: list[dict], runs: list[dict]) -> None:
     """Put one workload's (possibly partial) records after the earlier workloads' and write the JSON."""
     result["runs"] = earlier + runs
@@ -599,6 +630,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-budgets", help="budgets of the decode-step sweep (default 1.0,0.5,0.33,0.2,0.1)")
     p.add_argument("--sweep-workload", help="workload of the sweep (default: the longest; 'none' to skip)")
     p.add_argument("--sweep-batch", type=int, default=1)
+    p.add_argument(
+        "--scheduler",
+        help="comma-separated static,continuous: serve each workload as a request stream with natural answer "
+        "lengths under each scheduler (pask_jax.bench.stream) instead of fixed-length batches",
+    )
+    p.add_argument("--seed", type=int, default=0, help="prompt pool draw and the stream's arrival order")
     p.add_argument("--quick", action="store_true", help="small CPU setting: " + json.dumps(QUICK))
     p.add_argument("--out", type=Path, default=Path("results/serving.json"))
     p.add_argument("--plot", type=Path, help="plot path (default: --out with .png)")
@@ -645,6 +682,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         sweep_budgets=listed("sweep_budgets", _floats),
         sweep_workload=pick("sweep_workload"),
         sweep_batch=args.sweep_batch,
+        seed=args.seed,
     )
 
 
@@ -667,6 +705,17 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     command = shlex.join(["pask-jax", "bench", "serving", *argv])
+    if args.scheduler:
+        schedulers = [s for s in args.scheduler.split(",") if s]
+        if unknown := set(schedulers) - set(SCHEDULERS):
+            parser.error(f"unknown scheduler(s) {', '.join(sorted(unknown))}; choose from {', '.join(SCHEDULERS)}")
+        result = run_stream_benchmark(cfg, schedulers, args.out, progress, command)
+        table = format_stream_table(result)
+        print(table)
+        args.out.with_suffix(".md").write_text(f"`{command}`\n\n{table}\n")
+        if not args.no_plot:
+            progress(f"wrote {plot_stream(result, args.plot or args.out.with_suffix('.png'))}")
+        return result
     result = run_benchmark(cfg, args.out, progress=progress, command=command)
     table = format_table(result)
     print(table)

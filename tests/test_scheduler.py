@@ -1,0 +1,79 @@
+"""Continuous batching on a tiny model: stop tokens, the grammar-free overlap switch, compiles, memory-sized rows,
+bad requests. (Token identity with static batching for every method: tests/test_methods.py.)"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from flax import nnx
+
+from pask_jax.engine import Engine, SamplingConfig
+from pask_jax.methods import make_method
+from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 120], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [9] * 20, [3, 4]]
+BUCKETS = (16, 32)
+_compiles = [0]
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: _compiles.__setitem__(0, _compiles[0] + (event == COMPILE_EVENT))
+)
+
+
+@pytest.fixture(scope="module")
+def model() -> Qwen3:
+    return Qwen3(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(3))
+
+
+def test_stop_tokens_free_rows_and_both_step_orders_agree(model: Qwen3):
+    reference = Engine(model, length_buckets=BUCKETS).generate(PROMPTS, SamplingConfig(max_new_tokens=10))
+    stop = reference[0].tokens[4]  # a token the model writes: some rows stop on it, early
+    engine = Engine(model, stop_token_ids=[stop], length_buckets=BUCKETS)
+    static = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=10))
+    requests = [SequenceRequest(p, 10) for p in PROMPTS]
+    for overlap in (True, False):
+        out = dict(ContinuousBatcher(engine, rows=2, overlap_grammar=overlap).run(requests))
+        assert [out[i].tokens for i in range(len(PROMPTS))] == [g.tokens for g in static]
+        assert [out[i].finish_reason for i in range(len(PROMPTS))] == [g.finish_reason for g in static]
+    assert static[0].finish_reason == "stop" and static[0].tokens[-1] == stop
+
+
+def test_requests_wait_for_a_row_and_a_warm_run_compiles_nothing(model: Qwen3):
+    engine = Engine(model, length_buckets=BUCKETS)
+    batcher = ContinuousBatcher(engine, rows=2)
+    requests = [SequenceRequest(p, n) for p, n in zip(PROMPTS, (6, 2, 4, 3, 5), strict=True)]
+    order = [i for i, _ in batcher.run(requests)]
+    assert order == [1, 2, 0, 3, 4]  # a row that ends takes the next request before the next step
+    ttft = {i: g.stats.ttft_s for i, g in batcher.run(requests)}
+    assert ttft[4] > ttft[0]  # the fifth request waited for a row
+    before = _compiles[0]
+    shuffled = [requests[i] for i in (4, 2, 0, 3, 1)]  # other arrivals, rows refilled at other steps
+    assert len(list(batcher.run(shuffled))) == len(requests)
+    assert _compiles[0] == before
+
+
+def test_rows_follow_the_memory_limit_and_each_methods_cache(model: Qwen3):
+    requests = [SequenceRequest(p, 16) for p in PROMPTS]
+    full = Engine(model, length_buckets=BUCKETS)
+    snap = Engine(model, method=make_method("snapkv", {}, budget=0.25), budget=0.25, length_buckets=BUCKETS)
+    two_rows = full.cache_bytes(row_shape(full, requests, 2))
+    assert rows_for_memory(full, row_shape(full, requests, 1), two_rows, max_rows=64) == 2
+    assert rows_for_memory(snap, row_shape(snap, requests, 1), two_rows, max_rows=64) > 4
+    assert rows_for_memory(snap, row_shape(snap, requests, 1), two_rows, max_rows=3) == 3
+    assert rows_for_memory(full, row_shape(full, requests, 1), 100, max_rows=64) == 0
+
+
+def test_bad_requests_are_named_before_anything_runs(model: Qwen3):
+    batcher = ContinuousBatcher(Engine(model, length_buckets=BUCKETS), rows=2)
+    cases = [
+        (SequenceRequest([1] * 40, 4), "request 1: .*largest length bucket 32"),
+        (SequenceRequest([1, 2], 0), "request 1: max_new_tokens=0"),
+        (SequenceRequest([1, 999], 4), r"request 1: prompt token ids must be in \[0, 256\)"),
+        (SequenceRequest([1, 2], 4, roles=[0]), "request 1: 1 roles for 2 prompt tokens"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            next(batcher.run([SequenceRequest([1, 2], 4), bad]))
+    with pytest.raises(ValueError, match="rows=0"):
+        ContinuousBatcher(batcher.engine, rows=0)
