@@ -366,6 +366,9 @@ _decode = jax.jit(StepPlan.decode, static_argnums=(0, 9, 10), donate_argnums=(2,
 _decode_logits = jax.jit(StepPlan.decode_logits, static_argnums=(0,), donate_argnums=(2,))
 
 
+_empty_caches = jax.jit(StepPlan.empty_caches, static_argnums=(0, 1, 2))
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _insert_rows(caches: list[GroupCache], new: list[GroupCache], rows: jax.Array) -> list[GroupCache]:
     """Every group cache's rows `rows` (i32[b], past the batch: skipped) replaced by `new`'s b rows."""
@@ -588,7 +591,14 @@ class Engine:
         """Rows `rows` (i32[b]; an index past the batch is skipped) of `caches` (donated) replaced by the b rows of
         `new` (a prefill's caches at the same capacities): how a request enters a running batch, with no recompile
         for the row it lands in."""
-        return _insert_rows(caches, new, jnp.asarray(rows, jnp.int32))
+        with mesh_context(self.mesh):
+            return _insert_rows(caches, new, jnp.asarray(rows, jnp.int32))
+
+    def empty_caches(self, rows: int, capacities: tuple[int, ...]) -> list[GroupCache]:
+        """Empty caches of `rows` rows (a multiple of the mesh's data size) at `capacities`, laid out as the steps
+        take them."""
+        with mesh_context(self.mesh):
+            return _empty_caches(self.plan, rows, capacities)
 
     def generate(
         self,

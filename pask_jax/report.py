@@ -520,20 +520,20 @@ def dev_tuning_b033(root: Path) -> str:
     return _block(claim, _table(head, rows))
 
 
-def _frozen_eval(root: Path) -> tuple[dict, dict[str, str], list[str]]:
+def _frozen_eval(root: Path, file: str = SCHEMA_EVAL) -> tuple[dict, dict[str, str], list[str]]:
     """The evaluation result, the dev rule's choice per method, and the categories where full KV scores above 0 and
     every scored method ran.
 
     Refuses a result that scored any variant other than the rule's choice and the method's default (reported beside
     it), or any item outside the evaluation part."""
-    result = load_json(root, SCHEMA_EVAL)
+    result = load_json(root, file)
     chosen = choose_variants(load_json(root, DEV_TUNING), TUNING_BUDGET)
     scored = {spec for spec, _ in _keys(result)} - {"full"}
     if stray := sorted(scored - set(chosen.values()) - set(chosen)):
-        raise ReportError(f"{SCHEMA_EVAL} scores {stray}, neither the dev rule's choice ({chosen}) nor a default")
+        raise ReportError(f"{file} scores {stray}, neither the dev rule's choice ({chosen}) nor a default")
     for spec, b in _keys(result):
         if any(bfcl.part_of(i["id"]) != "evaluation" for i in items_of(result, spec, b)):
-            raise ReportError(f"{SCHEMA_EVAL}: {spec} scores items outside the schema split's evaluation part")
+            raise ReportError(f"{file}: {spec} scores items outside the schema split's evaluation part")
     full = category_scores(result, "full", 1.0)
     ran = [{r["category"] for r in result["runs"] if r["method"] == spec} for spec in scored]
     positive = [c for c in bfcl.CATEGORIES if c in full and full[c][0] > 0 and all(c in r for r in ran)]
@@ -564,9 +564,9 @@ def _best_tuned(result: dict, chosen: dict[str, str], budget: float, positive: l
     return max(baselines, key=lambda spec: sum(outcomes(result, spec, budget, positive).values()))
 
 
-def schema_eval(root: Path) -> str:
+def schema_eval(root: Path, file: str = SCHEMA_EVAL) -> str:
     """Accuracy per category, the mean over the categories where full KV scores above 0 and the 8-category mean."""
-    result, chosen, positive = _frozen_eval(root)
+    result, chosen, positive = _frozen_eval(root, file)
     keys = set(_keys(result))
     full = category_scores(result, "full", 1.0)
     columns = [c for c in bfcl.CATEGORIES if c in full]
@@ -595,9 +595,9 @@ def schema_eval(root: Path) -> str:
     return _block(claim, _table(head, rows))
 
 
-def schema_paired(root: Path) -> str:
+def schema_paired(root: Path, file: str = SCHEMA_EVAL) -> str:
     """PASK against the best tuned baseline and against full KV, item by item, on the full-KV-positive categories."""
-    result, chosen, positive = _frozen_eval(root)
+    result, chosen, positive = _frozen_eval(root, file)
     full = outcomes(result, "full", 1.0, positive)
     pask_spec = chosen["pask"]
     rows = []
@@ -768,6 +768,83 @@ def _serving(root: Path, file: str) -> str:
     return _block(claim, *tables)
 
 
+def _serving_stream(root: Path, file: str) -> str:
+    """A request-stream result (`bench serving --scheduler`): per workload, every (method, budget, scheduler)."""
+    result = load_json(root, file)
+    blocks = []
+    for name, part in result["workloads"].items():
+        runs = part["runs"]
+        rows = [
+            [
+                r["method"], f"{r['budget']:g}", r["scheduler"], r["rows"], f"{r['requests_per_s']:.3f}",
+                _ratio(r["ratio_vs_full"]["requests_per_s"]),
+                "-" if r["requests_per_s_vs_static"] is None else _ratio(r["requests_per_s_vs_static"]),
+                f"{r['output_tokens_per_s']:.2f}", f"{r['ttft_p50_ms'] / 1000:.1f} / {r['ttft_p95_ms'] / 1000:.1f}",
+                f"{r['latency_p50_ms'] / 1000:.1f} / {r['latency_p95_ms'] / 1000:.1f}", f"{r['tpot_ms']:.0f}",
+                f"{r['cache_bytes'] / 2**20:.1f}", r["recompiles_after_warmup"],
+            ]
+            for r in runs
+        ]  # fmt: skip
+        tokens = part["prompt_tokens"]
+        continuous = [r for r in runs if r["scheduler"] == "continuous" and r["method"] != "full"]
+        claim = (
+            f"{name}: {len(tokens)} requests (prompts of {min(tokens)}-{max(tokens)} tokens, answers to EOS or "
+            f"{result['config']['max_new_tokens']} tokens) under full KV's cache at {result['config']['memory_batch']} "
+            f"rows ({part['memory_limit_bytes'] / 2**20:.1f} MiB). Continuous batching, requests/s against full KV's: "
+            + ", ".join(
+                f"{r['method']} b = {r['budget']:g} ({r['rows']} rows) {_ratio(r['ratio_vs_full']['requests_per_s'])}"
+                for r in continuous
+            )
+            + "; against static batching of the same method: "
+            + ", ".join(
+                f"{r['method']} {_ratio(r['requests_per_s_vs_static'])}"
+                for r in runs
+                if r["scheduler"] == "continuous" and r["requests_per_s_vs_static"] is not None
+            )
+            + "."
+        )
+        head = [
+            "method", "b", "scheduler", "rows", "requests/s", "x full", "x static", "output tokens/s",
+            "TTFT p50 / p95 s", "latency p50 / p95 s", "TPOT ms", "KV MiB", "recompiles",
+        ]  # fmt: skip
+        blocks.append(_block(claim, _table(head, rows)))
+    return "\n\n".join(blocks)
+
+
+def serving_stream_cpu_bfcl(root: Path) -> str:
+    return _serving_stream(root, "results/serving_stream_cpu_bfcl.json")
+
+
+# DapQ's paper, NIAH on LLaMA-3-8B-Instruct at 8k tokens with 256 kept (about 3%): accuracy in %.
+NIAH_PAPER_3PCT = {"dapq": 99.46, "snapkv": 90.97, "pyramidkv": 93.94, "h2o": 66.81}
+NIAH_FILE = "results/niah_qwen2.5-coder-0.5b.json"
+
+
+def niah_qwen05b(root: Path) -> str:
+    """Needle retrieval accuracy per (method, budget) and (haystack, length), JSON answers, beside the paper's 3%."""
+    result = load_json(root, NIAH_FILE)
+    summary = [s for s in result["summary"] if s["mode"] == "json"]
+    places = sorted({(s["haystack"], s["length"]) for s in summary}, key=lambda p: (p[1], p[0]))
+    depths = {p: sorted({c["depth"] for c in result["cells"] if (c["haystack"], c["length"]) == p}) for p in places}
+    smallest = min(s["budget"] for s in summary if s["method"] != "full")
+    rows, at_smallest = [], []
+    for method, budget in dict.fromkeys((s["method"], s["budget"]) for s in summary):
+        mine = {(s["haystack"], s["length"]): s for s in summary if (s["method"], s["budget"]) == (method, budget)}
+        cells = [f"{100 * mine[p]['accuracy']:.0f}" if p in mine else "-" for p in places]
+        paper = NIAH_PAPER_3PCT.get(method) if budget == 0.03 else None
+        kept = sum(s["kept_ratio_mean"] for s in mine.values()) / len(mine)
+        rows.append([method, f"{budget:g}", *cells, f"{kept:.3f}", "-" if paper is None else f"{paper:.2f}"])
+        if budget in (smallest, 1.0):
+            correct, n = sum(s["correct"] for s in mine.values()), sum(s["n"] for s in mine.values())
+            at_smallest.append(f"{method} {correct}/{n}")
+    head = ["method", "b", *(f"{h} {n // 1024}k ({len(depths[h, n])} depths)" for h, n in places), "kept/full"]
+    claim = (
+        f"{result['model']}, JSON-constrained answers: needles found at b = {smallest:g} (full KV at b = 1), of all "
+        "cells: " + ", ".join(at_smallest) + "."
+    )
+    return _block(claim, _table([*head, "paper, 8k at 3% (LLaMA-3-8B)"], rows))
+
+
 def serving_cpu_2k(root: Path) -> str:
     return _serving(root, "results/serving_cpu_2k.json")
 
@@ -776,11 +853,12 @@ def serving_cpu_bfcl(root: Path) -> str:
     return _serving(root, "results/serving_cpu_bfcl.json")
 
 
-def bench_decode(root: Path) -> str:
-    result = load_json(root, "results/bench_decode.json")
+def bench_decode(root: Path, file: str = "results/bench_decode.json") -> str:
+    """Ours against transformers per batch and torch thread count, with each side's share of the memory roofline."""
+    result = load_json(root, file)
     rows, identical_rows, compared_rows = [], 0, 0
     for entry in result["results"]:
-        ours = entry["ours"]
+        ours, roof = entry["ours"], entry["roofline"]
         for side, ratios in (
             ("transformers", "ours_over_transformers"),
             ("transformers_1_thread", "ours_over_transformers_1_thread"),
@@ -795,35 +873,38 @@ def bench_decode(root: Path) -> str:
             rows.append(
                 [
                     entry["batch"],
+                    f"{entry['prompt_lengths']['mean']:.0f}",
                     threads,
                     f"{ours['prefill_tok_s']:.1f} / {theirs['prefill_tok_s']:.1f}",
                     _ratio(ratio["prefill_speedup"]),
                     f"{ours['decode_tok_s']:.2f} / {theirs['decode_tok_s']:.2f}",
                     _ratio(ratio["decode_speedup"]),
+                    f"{roof['roofline_step_ms']:.0f}",
+                    f"{roof['fraction']['ours']:.2f} / {roof['fraction'][side]:.2f}",
                     f"{identical}/{same['rows']}",
                 ]
             )
-    recompiled = [
-        e["batch"]
-        for e in result["results"]
-        if e["ours"]["compiled_variants"]["after_warmup"] != e["ours"]["compiled_variants"]["after_timed"]
-    ]
+    recompiled = [e["batch"] for e in result["results"] if e["ours"]["backend_compiles"]["timed"]]
+    bandwidth = result["roofline"]["bandwidth"]["gb_s"]
     claim = (
         f"Greedy {result['new_tokens']} tokens of {result['model']} ({result['dtype']}, "
         f"{result['machine']['jax_backend']}): the same tokens as transformers in {identical_rows} of "
-        f"{compared_rows} sequences compared; decode speed over transformers' "
-        + ", ".join(f"{r[5]} (batch {r[0]}, {r[1]} torch thread{'s' * (r[1] > 1)})" for r in rows)
-        + "; compiles during the timed runs: "
+        f"{compared_rows} sequences compared; prefill / decode speed over transformers' "
+        + ", ".join(f"{r[4]} / {r[6]} (batch {r[0]}, {r[2]} torch thread{'s' * (r[2] > 1)})" for r in rows)
+        + f"; measured copy bandwidth {bandwidth:.1f} GB/s; compiles during the timed runs: "
         + ("none" if not recompiled else f"at batch {recompiled}")
         + "."
     )
     head = [
         "batch",
+        "prompt tokens",
         "torch threads",
         "prefill tokens/s, ours / transformers",
         "prefill x",
         "decode tokens/s, ours / transformers",
         "decode x",
+        "roofline step ms",
+        "share of roofline, ours / transformers",
         "same greedy tokens",
     ]
     return _block(claim, _table(head, rows))
@@ -914,6 +995,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "serving_cpu_2k": serving_cpu_2k,
     "serving_cpu_bfcl": serving_cpu_bfcl,
     "bench_decode": bench_decode,
+    "bench_decode_2k": functools.partial(bench_decode, file="results/bench_decode_2k.json"),
     "bench_kernel": bench_kernel,
     "real_parity": real_parity,
     "cache_bytes": cache_bytes,

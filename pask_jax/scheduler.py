@@ -135,7 +135,7 @@ class ContinuousBatcher:
         words = mask_words(engine.cfg.vocab_size)
         full_per_token = engine.cfg.num_layers * engine.cfg.num_kv_heads
         start = time.perf_counter()
-        caches = engine.plan.empty_caches(width, shape.capacities)
+        caches = engine.empty_caches(width, shape.capacities)
         key = jax.random.key(sampling.seed)
         waiting = collections.deque(range(len(requests)))
         slots: list[_Row | None] = [None] * width

@@ -275,12 +275,24 @@ def test_decode_bench_end_to_end_on_a_tiny_pair(tmp_path):
     model, hf = tiny_pair(tmp_path)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(1, 128, n)] for n in (9, 14, 5)]
-    cfg = decode.DecodeConfig(model="tiny", batches=(1, 3), new_tokens=4, warmup_tokens=2, repeats=1, quick=True)
+    cfg = decode.DecodeConfig(
+        model="tiny", batches=(1, 3), new_tokens=4, warmup_tokens=2, repeats=1, quick=True, bandwidth_mib=4
+    )
     result = decode.run_benchmark(cfg, model, hf, prompts, decode_text=lambda ids: " ".join(map(str, ids)))
     assert [e["batch"] for e in result["results"]] == [1, 3] and result["sanity_batch1_first_prompt_identical"]
     assert {"torch", "transformers", "loadavg_end", "cpu"} <= set(result["machine"])
+    weights = result["roofline"]["weights"]
+    assert weights["lm_head_tied"] and weights["bytes"] == 4 * sum(p.numel() for p in hf.parameters())  # tied: once
+    assert result["roofline"]["bandwidth"]["gb_s"] > 0 and result["roofline"]["kv_dtype_bytes"] == 4
     for entry in result["results"]:
         ours = entry["ours"]
+        lengths = [len(p) for p in prompts[: entry["batch"]]]
+        assert entry["prompt_lengths"]["max"] == max(lengths) and entry["prompt_lengths"]["min"] == min(lengths)
+        roof = entry["roofline"]
+        assert roof["kv_tokens_mean_step"] == sum(lengths) + 2 * entry["batch"]  # + new_tokens / 2 per sequence
+        assert roof["bytes"] == weights["bytes"] + 2 * 2 * 16 * 2 * 4 * roof["kv_tokens_mean_step"]  # L K H (K,V) f32
+        assert roof["fraction"]["ours"] == pytest.approx(roof["roofline_step_ms"] / ours["tpot_ms"], rel=1e-2)
+        assert ("transformers_1_thread" in roof["fraction"]) == (entry["batch"] == 1)
         assert entry["same_greedy_tokens"]["rows_identical"] == entry["batch"]  # same weights, greedy
         assert ours["decode_steps"] == entry["transformers"]["decode_steps"] == 3
         assert ours["backend_compiles"]["timed"] == 0 and ours["backend_compiles"]["warmup"] >= 0
@@ -295,6 +307,7 @@ def test_decode_bench_end_to_end_on_a_tiny_pair(tmp_path):
     assert all(ms > 0 for ms in pieces[3]["ms_median"].values()) and "ours/decode_step_real" in pieces[3]["ms_min"]
     assert set(result["decode_step_hlo"]) == {"1", "3"}
     assert {"weight_relayout", "other_big_copies"} <= set(result["decode_step_hlo"]["3"])
+    assert len(decode.summary_table(result).splitlines()) == 2 + len(cfg.batches)
 
 
 def test_run_ours_reports_every_decode_call(tiny_setup):

@@ -45,6 +45,7 @@ from pask_jax.models.sharding import (
     param_specs,
     parse_mesh,
 )
+from pask_jax.scheduler import ContinuousBatcher, SequenceRequest
 
 DEVICES = 8
 LAYOUTS = ((8, 1), (4, 2), (2, 4))
@@ -55,6 +56,7 @@ STEPS = ("_prefill", "_decode", "_sample_masked")  # the engine's jitted steps
 NAMES = (*sorted(METHODS), "pask_policy", "snapkv_kernel")
 POLICY = compile_policy(synthetic_stats(num_layers=2, groups=2), [BUDGET])
 MARK = "SHARDED-RESULTS:"
+CONTINUOUS_LIMITS = (NEW, 2, 9, 1, 14, 5, NEW, 3, 7, 11)
 
 
 def method(name: str) -> KVMethod:
@@ -129,7 +131,11 @@ def worker() -> None:
             untied = tiny_model("qwen2", tie_embeddings=False)  # q/k/v biases and an LM head: the other entries
             Engine(untied, mesh=mesh)
             placement = placement_problems(model, mesh) + placement_problems(untied, mesh)
+        snapkv = engines[names.index("snapkv")]  # continuous batching: 8 rows, 10 requests, rows refilled mid-run
+        requests = [SequenceRequest(PROMPTS[i % 3], CONTINUOUS_LIMITS[i], ROLES[i % 3]) for i in range(10)]
+        continuous = dict(ContinuousBatcher(snapkv, rows=8).run(requests))
         results[str(layout)] = {
+            "continuous": [continuous[i].tokens for i in range(len(requests))],
             "tokens": {n: [g.tokens for g in gen] for n, gen in zip(names, gens, strict=True)},
             "kept": {n: [g.stats.kept_ratios for g in gen] for n, gen in zip(names, gens, strict=True)},
             "logits_max_diff": float(np.abs(logits[: len(PROMPTS)] - reference_logits[: len(PROMPTS)]).max()),
@@ -162,6 +168,14 @@ def test_every_method_gives_one_devices_tokens_and_kept_entries(sharded: dict, l
     differ = [n for n in one["kept"] if mesh["kept"][n] != one["kept"][n]]
     assert not differ, f"kept/full entries differ from one device on {layout} for {differ}"
     assert mesh["padded_rows"] % layout[0] == 0  # 3 prompts: padded to whole rows per data shard
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_continuous_batching_gives_one_devices_static_tokens(sharded: dict, layout: tuple[int, int]):
+    static = sharded["None"]["tokens"]["snapkv"]
+    expected = [static[i % 3][:limit] for i, limit in enumerate(CONTINUOUS_LIMITS)]
+    assert sharded["None"]["continuous"] == expected
+    assert sharded[str(layout)]["continuous"] == expected
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: f"{s[0]}x{s[1]}")

@@ -1,15 +1,18 @@
 """Prefill and decode throughput: our JAX engine vs transformers' PyTorch `generate`, same checkpoint, same prompts.
 
-    pask-jax bench decode [--quick] [--new-tokens 32] [--batches 1,8] [--out results/bench_decode.json]
+    pask-jax bench decode [--quick] [--new-tokens 32] [--batches 1,8] [--prompt-tokens N]
+                          [--out results/bench_decode.json]
 
 Needs torch and transformers (the `test` extra). Both sides run the same GGUF (`qwen2.5-coder-0.5b` by default) in
 fp32, greedy, on the same BFCL Qwen FC prompts (the first B items of `simple_python`, tokenised with our tokenizer),
-with no stop token so that every request generates exactly N tokens. For each batch size each side gets one untimed
-warm-up call with the same prompts and compiled shapes but only --warmup-tokens new tokens (our decode capacity is
-bucketed in steps of 64 new tokens, so the executables are the same; `backend_compiles` checks that the timed calls
-compile nothing; the warm-up's time, which for us includes the XLA compiles, is reported separately), then
-`--repeats` timed calls, the two sides interleaved (ours, transformers, ours, ...) so that background load on a
-shared machine hits both alike; the median of the repeats is reported.
+with no stop token so that every request generates exactly N tokens. With --prompt-tokens N each item's prompt is
+instead its long-context prompt of at most N tokens (`pask_jax.long_context`: the item's question and functions
+among distractor functions, in the same BFCL prompt); the lengths used are reported per batch. For each batch size
+each side gets one untimed warm-up call with the same prompts and compiled shapes but only --warmup-tokens new tokens
+(our decode capacity is bucketed in steps of 64 new tokens, so the executables are the same; `backend_compiles`
+checks that the timed calls compile nothing; the warm-up's time, which for us includes the XLA compiles, is reported
+separately), then `--repeats` timed calls, the two sides interleaved (ours, transformers, ours, ...) so that
+background load on a shared machine hits both alike; the median of the repeats is reported.
 
 What is timed (both sides: the first output token comes from the prefill logits, N-1 decode steps follow):
 - ours: `Engine.generate` stats: `ttft_s` (prefill + first token on the host) and `token_times_s` (wall time of each
@@ -31,6 +34,15 @@ head on each step, and the engine's `on_step` timings give our jitted decode cal
 (the rest of our step is the host loop); afterwards (unless --no-diagnose) the pieces of our step (layers without
 cache, LM head, mask) are jitted and timed alone, next to the engine's real decode step on a prefilled cache, and the
 compiled decode step's HLO (`Engine.lower`) is searched for per-step weight re-layouts.
+
+Memory roofline of a decode step: a step must read every weight once (a tied LM head is the embedding, counted
+once; an untied input embedding only for its B looked-up rows) and every live KV entry, so roofline_s = (weight
+bytes + layers * kv_heads * head_dim * 2 (K and V) * dtype bytes * sum over the batch of (prompt length +
+new_tokens / 2), the mean tokens per sequence a decode step attends to) / bandwidth, where bandwidth is the best of
+a few timed in-place passes over a float32 array of --bandwidth-mib (bytes read + written per second: numpy
+`copyto`, and a jitted `x * 2` with the input donated); each side's fraction of roofline is roofline_s / its
+measured step time (TPOT), 1.0 = at the memory bound. Padding (our length bucket and power-of-two batch,
+transformers' left padding) is not counted: it is work a side chooses to do.
 """
 
 from __future__ import annotations
@@ -53,11 +65,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pask_jax import bfcl
 from pask_jax.bench.machine import code_state, compiles_so_far, machine_info
 from pask_jax.bench.workloads import category_prompts
 from pask_jax.engine import BatchShape, Engine, SamplingConfig, StepTiming, mask_words, sample, unpack_mask
 from pask_jax.factory import make_engine
-from pask_jax.models.qwen3 import Qwen3
+from pask_jax.long_context import item_seed, long_context_prompt
+from pask_jax.models.chat_template import format_tool_prompt
+from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -78,10 +94,133 @@ class DecodeConfig:
     quick: bool = False  # fewer repeats of the decode-step pieces
     diagnose: bool = True  # time the decode-step pieces and read the compiled step's HLO
     thread_check: bool = True  # at batch 1, a third side: transformers on 1 torch thread
+    prompt_tokens: int | None = None  # None: the BFCL prompts as they are; N: each item's long-context prompt <= N
+    bandwidth_mib: int = 512  # float32 array the copy-bandwidth measurement passes over
+    bandwidth_repeats: int = 5
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.new_tokens < 2 or not self.batches or min(self.batches) < 1:
             raise ValueError("need repeats >= 1, new_tokens >= 2 and batches >= 1")
+        if self.prompt_tokens is not None and self.prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens={self.prompt_tokens} must be >= 1 (or None: the BFCL prompts as they are)")
+        if self.bandwidth_mib < 1 or self.bandwidth_repeats < 1:
+            raise ValueError("need bandwidth_mib >= 1 and bandwidth_repeats >= 1")
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def bench_prompts(tokenizer: Tokenizer, category: str, count: int, prompt_tokens: int | None = None) -> list[list[int]]:
+    """Token ids of the first `count` items of a BFCL category: their BFCL prompts as they are, or with
+    `prompt_tokens`, each item's long-context prompt (`long_context_prompt`, seeded by the item id) of at most that
+    many tokens. Both sides of the benchmark get these ids."""
+    if prompt_tokens is None:
+        return category_prompts(tokenizer, category, count)
+    items = bfcl.load_category(category)[:count]
+    if len(items) < count:
+        raise ValueError(f"BFCL category {category!r} has only {len(items)} items, {count} asked for")
+    prompts = []
+    for item in items:
+        messages, tools = long_context_prompt(item, tokenizer, prompt_tokens, item_seed(item["id"]))
+        ids = tokenizer.encode(format_tool_prompt(messages, tools))
+        if len(ids) > prompt_tokens:  # the item's own prompt is longer than the target: nothing to pad
+            raise ValueError(
+                f"{item['id']}: its BFCL prompt alone has {len(ids)} tokens > prompt_tokens={prompt_tokens}"
+            )
+        prompts.append(ids)
+    return prompts
+
+
+# ---------------------------------------------------------------- memory roofline of a decode step
+
+
+def copy_bandwidth(nbytes: int, repeats: int) -> dict:
+    """This machine's memory bandwidth in GB/s (1e9 bytes read + written per second), from in-place passes over a
+    float32 array of `nbytes`: numpy `copyto` into a second array (one thread), and a jitted `x * 2` whose input
+    is donated (XLA's threads, no fresh output buffer to page in). One untimed pass each first; best and median of
+    `repeats`; `gb_s` is the best of both, the bound a decode step could reach."""
+    n = nbytes // 4
+    moved = 2 * 4 * n  # bytes read + written per pass
+
+    def rates(one_pass: Callable[[], None]) -> dict:
+        one_pass()  # touches the pages (and compiles)
+        seconds = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            one_pass()
+            seconds.append(time.perf_counter() - t0)
+        return {
+            "best_gb_s": round(moved / min(seconds) / 1e9, 2),
+            "median_gb_s": round(moved / statistics.median(seconds) / 1e9, 2),
+        }
+
+    arrays = {"src": np.ones(n, np.float32), "dst": np.empty(n, np.float32)}  # dropped after each measurement
+    numpy_copy = rates(lambda: np.copyto(arrays["dst"], arrays["src"]))
+    double = jax.jit(lambda x: x * 2.0, donate_argnums=0)
+    arrays = {"x": jnp.ones(n, jnp.float32)}
+
+    def xla_pass() -> None:
+        arrays["x"] = jax.block_until_ready(double(arrays.pop("x")))
+
+    xla_scale = rates(xla_pass)
+    arrays.clear()
+    return {
+        "gb_s": max(numpy_copy["best_gb_s"], xla_scale["best_gb_s"]),
+        "numpy_copyto": numpy_copy,
+        "xla_scale_donated": xla_scale,
+        "array_mib": round(nbytes / 2**20, 1),
+        "repeats": repeats,
+        "method": "bytes read + written per second over a float32 array (1e9 B/s); gb_s = best of the repeats, "
+        "best of numpy copyto (1 thread) and jitted x * 2 with the input donated (in place, XLA's threads)",
+    }
+
+
+def weight_bytes(model: Qwen3) -> dict:
+    """Bytes of every parameter of `model` in its dtype (a tied LM head is the embedding: counted once), and of
+    its embedding table."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return {
+        "bytes": sum(x.nbytes for x in leaves),
+        "parameters": sum(x.size for x in leaves),
+        "embedding_bytes": model.embed.embedding[...].nbytes,
+        "lm_head_tied": model.lm_head is None,
+        "dtype": str(model.embed.embedding[...].dtype),
+    }
+
+
+def step_weight_bytes(weights: dict, vocab_size: int, batch: int) -> int:
+    """Weight bytes one decode step of `batch` sequences reads (`weights` from `weight_bytes`): every parameter,
+    except that an untied input embedding is only looked up, `batch` rows of it."""
+    if weights["lm_head_tied"]:  # the table is read whole as the LM head
+        return weights["bytes"]
+    return weights["bytes"] - weights["embedding_bytes"] + batch * weights["embedding_bytes"] // vocab_size
+
+
+def decode_step_roofline(
+    cfg: ModelConfig, weights: dict, prompt_lengths: list[int], new_tokens: int, kv_itemsize: int, bandwidth_gb_s: float
+) -> dict:
+    """Bytes one decode step must read and the time that takes at `bandwidth_gb_s`.
+
+    Decode step k (1..new_tokens-1) attends to prompt length + k KV entries per sequence; their mean over the steps
+    is prompt length + new_tokens / 2. Every step reads the weights once (`step_weight_bytes`).
+    """
+    weights_read = step_weight_bytes(weights, cfg.vocab_size, len(prompt_lengths))
+    tokens = sum(prompt_lengths) + len(prompt_lengths) * new_tokens / 2  # live KV tokens of the batch, mean step
+    kv_bytes_per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * kv_itemsize  # K and V
+    kv = kv_bytes_per_token * tokens
+    return {
+        "weight_bytes": weights_read,
+        "kv_bytes": round(kv),
+        "kv_tokens_mean_step": tokens,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "bytes": round(weights_read + kv),
+        "roofline_step_ms": float(f"{1e3 * (weights_read + kv) / (1e9 * bandwidth_gb_s):.4g}"),
+    }
+
+
+def roofline_fractions(roofline: dict, sides: dict[str, dict]) -> dict:
+    """roofline step time / each side's measured step time (`tpot_ms`): 1.0 = at the memory bound."""
+    return {name: float(f"{roofline['roofline_step_ms'] / side['tpot_ms']:.4g}") for name, side in sides.items()}
 
 
 # ---------------------------------------------------------------- where a decode step's time goes
@@ -203,6 +342,11 @@ def time_round_robin(thunks: dict[str, Thunk], reps: int) -> tuple[dict[str, flo
     )
 
 
+def lm_head_weight(model: Qwen3) -> jax.Array:
+    """f[V, D]: the LM head's matrix (the embedding when they are tied)."""
+    return (model.embed.embedding if model.lm_head is None else model.lm_head.kernel)[...]
+
+
 def pieces(engine: Engine, model: Qwen3, hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int, reps: int):
     """ms of the pieces of one decode step over `prompts` (at our padded batch), each jitted alone, timed interleaved.
 
@@ -260,8 +404,7 @@ def pieces(engine: Engine, model: Qwen3, hf: torch.nn.Module, prompts: list[list
     tok = jnp.zeros((b,), jnp.int32)
     pos = jnp.full((b,), 300, jnp.int32)
     h = jnp.ones((b, 1, cfg.hidden_size), jnp.float32)
-    w = model.lm_head.kernel[...].T if model.lm_head is not None else model.embed.embedding[...]
-    w = jnp.asarray(w)
+    w = lm_head_weight(model)
     bits = jnp.full((b, mask_words(cfg.vocab_size)), -1, jnp.int32)
     logits = jnp.ones((b, cfg.vocab_size), jnp.float32)
     hidden = torch.ones((batch, 1, cfg.hidden_size))
@@ -544,8 +687,10 @@ def bench_batch(
 
     our_tokens, hf_tokens = ours_runs[-1]["tokens"], hf_runs[-1]["tokens"]
     same = [a == b for a, b in zip(our_tokens, hf_tokens, strict=True)]
+    lengths = [len(p) for p in prompts]
     entry = {
         "batch": batch,
+        "prompt_lengths": {"min": min(lengths), "mean": round(statistics.mean(lengths), 1), "max": longest},
         "ours": ours,
         "transformers": theirs,
         "ours_over_transformers": speedups(ours, theirs),
@@ -598,12 +743,25 @@ def run_benchmark(
         "transformers": transformers.__version__,
     }
     about = dict(about or {})
+    print(f"copy bandwidth over {cfg.bandwidth_mib} MiB ...", flush=True)
+    bandwidth = copy_bandwidth(cfg.bandwidth_mib << 20, cfg.bandwidth_repeats)
+    weights = weight_bytes(model)
+    kv_itemsize = jnp.dtype(engine.plan.dtype).itemsize
+    if cfg.prompt_tokens is None:
+        prompts_about = f"BFCL {cfg.category} items [0, B), Qwen FC prompt (bfcl_prompt), our tokenizer"
+    else:
+        prompts_about = (
+            f"BFCL {cfg.category} items [0, B), each item's long-context prompt of at most {cfg.prompt_tokens} tokens "
+            "(long_context_prompt: its question and functions among distractor functions, seeded by the item id, "
+            "Qwen FC prompt), our tokenizer"
+        )
     result: dict = {
         "model": cfg.model,
         "checkpoint": about.pop("checkpoint", None),
         "dtype": "float32",
         "decoding": "greedy, no stop token (every request generates exactly new_tokens)",
-        "prompts": f"BFCL {cfg.category} items [0, B), Qwen FC prompt (bfcl_prompt), our tokenizer",
+        "prompts": prompts_about,
+        "prompt_tokens_target": cfg.prompt_tokens,
         "new_tokens": cfg.new_tokens,
         "batches": list(cfg.batches),
         "machine": machine,
@@ -624,17 +782,30 @@ def run_benchmark(
             "rates": "prefill_tok_s = real prompt tokens / ttft; decode_tok_s = B * steps / sum(step times); "
             "tpot_ms = sum(step times) / steps",
         },
+        "roofline": {
+            "bandwidth": bandwidth,
+            "weights": weights,
+            "kv_dtype_bytes": kv_itemsize,
+            "formula": "roofline_step_ms = (weight bytes + layers * kv_heads * head_dim * 2 * kv dtype bytes * "
+            "sum_b(prompt_len_b + new_tokens / 2)) / bandwidth; weight bytes = every parameter (a tied LM head once; "
+            "an untied input embedding: only its B looked-up rows); fraction = roofline_step_ms / measured tpot_ms "
+            "(1.0 = at the memory bound); real tokens only, padding not counted",
+        },
         "results": [],
     }
     for batch in cfg.batches:
         entry, our_tokens, hf_tokens = bench_batch(cfg, engine, hf, probe, prompts[:batch])
+        lengths = [len(p) for p in prompts[:batch]]
+        roofline = decode_step_roofline(model.config, weights, lengths, cfg.new_tokens, kv_itemsize, bandwidth["gb_s"])
+        sides = {name: entry[name] for name in ("ours", "transformers", "transformers_1_thread") if name in entry}
+        entry["roofline"] = roofline | {"fraction": roofline_fractions(roofline, sides)}
         if batch == 1:
             result["sanity_batch1_first_prompt_identical"] = our_tokens[0] == hf_tokens[0]
             if decode_text is not None:
                 texts = {"ours": our_tokens[0], "transformers": hf_tokens[0]}
                 result["sanity_batch1_text"] = {side: decode_text(tokens) for side, tokens in texts.items()}
         result["results"].append(entry)
-        keys = ("batch", "ours_over_transformers", "ours_over_transformers_1_thread", "same_greedy_tokens")
+        keys = ("batch", "ours_over_transformers", "ours_over_transformers_1_thread", "same_greedy_tokens", "roofline")
         print(json.dumps({k: entry[k] for k in keys if k in entry}), flush=True)
 
     if cfg.diagnose:
@@ -648,6 +819,33 @@ def run_benchmark(
     result["machine"]["loadavg_end"] = os.getloadavg()
     result["total_s"] = round(time.perf_counter() - start, 1)
     return result
+
+
+def summary_table(result: dict) -> str:
+    """Per batch size: prompt lengths and our padded shape, prefill and decode tok/s of both sides and ours /
+    transformers, TPOT, the roofline step time and each side's fraction of it."""
+    roof = result["roofline"]
+    weights = roof["weights"]
+    head = "tied, counted once" if weights["lm_head_tied"] else "untied"
+    lines = [
+        f"copy bandwidth {roof['bandwidth']['gb_s']} GB/s (best of numpy copyto / jitted x*2); weights "
+        f"{weights['bytes'] / 1e6:.1f} MB {weights['dtype']} (LM head {head}); roof ms = roofline step time, "
+        "of roof = roofline / measured TPOT",
+        f"{'batch':>5} {'prompt mean/max':>15} {'padded':>9} | {'prefill tok/s ours/hf':>22} {'x':>6} | "
+        f"{'decode tok/s ours/hf':>21} {'x':>6} | {'tpot ms ours/hf':>16} | {'roof ms':>8} {'of roof ours/hf':>16}",
+    ]
+    for e in result["results"]:
+        ours, hf, ratio, pad = e["ours"], e["transformers"], e["ours_over_transformers"], e["ours"]["padding"]
+        frac = e["roofline"]["fraction"]
+        lines.append(
+            f"{e['batch']:>5} {e['prompt_lengths']['mean']:>9.0f}/{e['prompt_lengths']['max']:<5} "
+            f"{pad['batch_bucket']:>3}x{pad['length_bucket']:<5} | "
+            f"{ours['prefill_tok_s']:>10.1f}/{hf['prefill_tok_s']:<11.1f} {ratio['prefill_speedup']:>6.2f} | "
+            f"{ours['decode_tok_s']:>9.2f}/{hf['decode_tok_s']:<11.2f} {ratio['decode_speedup']:>6.2f} | "
+            f"{ours['tpot_ms']:>7.1f}/{hf['tpot_ms']:<8.1f} | "
+            f"{e['roofline']['roofline_step_ms']:>8.1f} {frac['ours']:>7.3f}/{frac['transformers']:<8.3f}"
+        )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- command line
@@ -677,6 +875,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="skip the third side at batch 1: transformers on 1 torch thread (sensitivity to a shared machine)",
     )
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="each item's long-context prompt of at most N tokens (its functions among distractors); "
+        "default: the BFCL prompts as they are",
+    )
+    ap.add_argument(
+        "--bandwidth-mib",
+        type=int,
+        default=DecodeConfig.bandwidth_mib,
+        help="float32 array (MiB) the copy-bandwidth measurement of the roofline passes over",
+    )
     ap.add_argument("--out", type=Path, default=Path("results/bench_decode.json"))
     return ap
 
@@ -694,6 +905,8 @@ def config_from_args(args: argparse.Namespace) -> DecodeConfig:
         quick=args.quick,
         diagnose=args.diagnose,
         thread_check=args.thread_check,
+        prompt_tokens=args.prompt_tokens,
+        bandwidth_mib=args.bandwidth_mib,
     )
 
 
@@ -713,7 +926,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(cfg.threads)
     path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
-    prompts = category_prompts(tokenizer, cfg.category, max(cfg.batches))
+    prompts = bench_prompts(tokenizer, cfg.category, max(cfg.batches), cfg.prompt_tokens)
     t0 = time.perf_counter()
     model = load_model(cfg.model)
     load_ours = time.perf_counter() - t0
@@ -729,5 +942,6 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("results", "total_s")}, indent=1)[:4000])
+    print(summary_table(result))
     print(f"wrote {args.out}")
     return result
