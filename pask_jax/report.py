@@ -768,6 +768,53 @@ def _serving(root: Path, file: str) -> str:
     return _block(claim, *tables)
 
 
+def _serving_stream(root: Path, file: str) -> str:
+    """A request-stream result (`bench serving --scheduler`): per workload, every (method, budget, scheduler)."""
+    result = load_json(root, file)
+    blocks = []
+    for name, part in result["workloads"].items():
+        runs = part["runs"]
+        rows = [
+            [
+                r["method"], f"{r['budget']:g}", r["scheduler"], r["rows"], f"{r['requests_per_s']:.3f}",
+                _ratio(r["ratio_vs_full"]["requests_per_s"]),
+                "-" if r["requests_per_s_vs_static"] is None else _ratio(r["requests_per_s_vs_static"]),
+                f"{r['output_tokens_per_s']:.2f}", f"{r['ttft_p50_ms'] / 1000:.1f} / {r['ttft_p95_ms'] / 1000:.1f}",
+                f"{r['latency_p50_ms'] / 1000:.1f} / {r['latency_p95_ms'] / 1000:.1f}", f"{r['tpot_ms']:.0f}",
+                f"{r['cache_bytes'] / 2**20:.1f}", r["recompiles_after_warmup"],
+            ]
+            for r in runs
+        ]  # fmt: skip
+        tokens = part["prompt_tokens"]
+        continuous = [r for r in runs if r["scheduler"] == "continuous" and r["method"] != "full"]
+        claim = (
+            f"{name}: {len(tokens)} requests (prompts of {min(tokens)}-{max(tokens)} tokens, answers to EOS or "
+            f"{result['config']['max_new_tokens']} tokens) under full KV's cache at {result['config']['memory_batch']} "
+            f"rows ({part['memory_limit_bytes'] / 2**20:.1f} MiB). Continuous batching, requests/s against full KV's: "
+            + ", ".join(
+                f"{r['method']} b = {r['budget']:g} ({r['rows']} rows) {_ratio(r['ratio_vs_full']['requests_per_s'])}"
+                for r in continuous
+            )
+            + "; against static batching of the same method: "
+            + ", ".join(
+                f"{r['method']} {_ratio(r['requests_per_s_vs_static'])}"
+                for r in runs
+                if r["scheduler"] == "continuous" and r["requests_per_s_vs_static"] is not None
+            )
+            + "."
+        )
+        head = [
+            "method", "b", "scheduler", "rows", "requests/s", "x full", "x static", "output tokens/s",
+            "TTFT p50 / p95 s", "latency p50 / p95 s", "TPOT ms", "KV MiB", "recompiles",
+        ]  # fmt: skip
+        blocks.append(_block(claim, _table(head, rows)))
+    return "\n\n".join(blocks)
+
+
+def serving_stream_cpu_bfcl(root: Path) -> str:
+    return _serving_stream(root, "results/serving_stream_cpu_bfcl.json")
+
+
 # DapQ's paper, NIAH on LLaMA-3-8B-Instruct at 8k tokens with 256 kept (about 3%): accuracy in %.
 NIAH_PAPER_3PCT = {"dapq": 99.46, "snapkv": 90.97, "pyramidkv": 93.94, "h2o": 66.81}
 NIAH_FILE = "results/niah_qwen2.5-coder-0.5b.json"
@@ -947,6 +994,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "shipped_policy": shipped_policy,
     "serving_cpu_2k": serving_cpu_2k,
     "serving_cpu_bfcl": serving_cpu_bfcl,
+    "serving_stream_cpu_bfcl": serving_stream_cpu_bfcl,
     "bench_decode": bench_decode,
     "bench_decode_2k": functools.partial(bench_decode, file="results/bench_decode_2k.json"),
     "niah_qwen05b": niah_qwen05b,
