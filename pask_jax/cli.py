@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from pask_jax.bfcl import SPLIT_RULE, SPLIT_RULES, SPLITS
@@ -281,8 +282,12 @@ def cmd_niah(args: argparse.Namespace) -> None:
 
 def enable_compile_cache() -> None:
     """Keep XLA executables in `$PASK_JAX_CACHE/xla`: later runs (a sweep in chunks, ablations) skip the compiles
-    of shapes an earlier run already built. A 24-layer decode step takes ~7 s to compile on 2 CPU cores."""
+    of shapes an earlier run already built. A 24-layer decode step takes ~7 s to compile on 2 CPU cores.
+    `PASK_JAX_XLA_CACHE=off` keeps executables in memory only (the test suite runs so)."""
     import jax
+
+    if os.environ.get("PASK_JAX_XLA_CACHE", "").lower() == "off":
+        return
 
     from pask_jax.models.fetch import cache_dir
 

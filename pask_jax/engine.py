@@ -512,13 +512,23 @@ class Engine:
         sharding = None if self.mesh is None else NamedSharding(self.mesh, P(DATA))
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
 
+    def lower_prefill(self, shape: BatchShape) -> jax.stages.Lowered:
+        """Lower the jitted prefill for `shape`, with the abstract arguments `prefill` gives it."""
+        b, t = shape.padded_rows, shape.prompt_bucket
+        grid = self._abstract_rows((b, t))  # padded prompt tokens and roles: i32[B, T]
+        return _prefill.lower(
+            (self.plan,), self._abstract_params(), grid, self._abstract_rows((b,)), grid, (shape.capacities,)
+        )
+
+    def _abstract_params(self):
+        return jax.tree.map(_abstract if self.mesh is None else _abstract_placed, self.params)
+
     def lower(self, shape: BatchShape, sampling: SamplingConfig = SamplingConfig()) -> LoweredSteps:
         """Lower the jitted prefill and decode step for `shape`, with the abstract arguments `generate` gives them."""
-        b, t = shape.padded_rows, shape.prompt_bucket
-        params = jax.tree.map(_abstract if self.mesh is None else _abstract_placed, self.params)
+        b = shape.padded_rows
+        params = self._abstract_params()
         rows = self._abstract_rows((b,))  # token ids, lengths, positions, roles: i32[B]
-        grid = self._abstract_rows((b, t))  # padded prompt tokens and roles: i32[B, T]
-        prefill = _prefill.lower((self.plan,), params, grid, rows, grid, (shape.capacities,))
+        prefill = self.lower_prefill(shape)
         caches = jax.eval_shape(lambda: self.plan.empty_caches(b, shape.capacities))
         if self.mesh is not None:  # the layout the prefill hands them over in
             caches = [
@@ -535,6 +545,20 @@ class Engine:
             self.plan, params, caches, rows, rows, rows, rows, bits, key, sampling.temperature, sampling.top_p
         )
         return LoweredSteps(prefill=prefill, decode=decode)
+
+    def precompile(self, shape: BatchShape, sampling: SamplingConfig = SamplingConfig()) -> None:
+        """Compile what `generate` runs for a batch of `shape` before it is needed: the prefill and the decode step
+        ahead of time (nothing executes, so a long prompt costs only its compile), the sampler by running it once."""
+        steps = self.lower(shape, sampling)
+        steps.prefill.compile()
+        steps.decode.compile()
+        self.warm_sampler(shape.padded_rows, sampling)
+
+    def warm_sampler(self, rows: int, sampling: SamplingConfig = SamplingConfig()) -> None:
+        """Compile the masked sampler for `rows` rows and the key split before each draw, by running them once."""
+        logits = self.rows(jnp.zeros((rows, self.cfg.vocab_size), jnp.float32))  # as the steps return them
+        _, key = jax.random.split(jax.random.key(sampling.seed))
+        self.sample(logits, np.full((rows, mask_words(self.cfg.vocab_size)), -1, np.int32), key, sampling)
 
     def prefill(self, tokens: np.ndarray, lengths: np.ndarray, roles: np.ndarray, capacities: tuple[int, ...]):
         """Jitted prefill of right-padded prompts -> (last-token logits, caches, kept entries per sequence)."""
@@ -636,7 +660,7 @@ class Engine:
             on_step(StepTiming(0, prefill_s, prefill_s))
         kept = np.asarray(kept)
         start = time.perf_counter()
-        no_constraint = jnp.full((b_bucket, mask_words(cfg.vocab_size)), -1, jnp.int32)
+        no_constraint = np.full((b_bucket, mask_words(cfg.vocab_size)), -1, np.int32)
         key = jax.random.key(sampling.seed)
         # The first token comes from the prefill logits: one decode step per later token.
         bits = no_constraint if constraint is None else _pad_rows(constraint.mask(), b_bucket)

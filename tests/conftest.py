@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import types
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -11,8 +14,20 @@ from flax import nnx
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
 
+# The CLI keeps compiled executables on disk; tests must not write them into the user's cache.
+os.environ["PASK_JAX_XLA_CACHE"] = "off"
+
 QWEN_VOCAB = 151_936  # the Qwen2.5 checkpoints' embedding rows (the tokenizer's ids fit below it)
 SYNTHETIC_LEVELS = (0.0, 0.25, 0.5, 0.75)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+    """Each test module's executables and traces are freed after it: the suite compiles thousands of programs, and
+    one process holding them all grows past 8 GB."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def tiny_model(architecture: str = "qwen3", seed: int = 0, **overrides) -> Qwen3:

@@ -10,7 +10,7 @@ from flax import nnx
 from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.methods import make_method
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
-from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
+from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, admission_chunks, row_shape, rows_for_memory
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 120], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [9] * 20, [3, 4]]
@@ -32,8 +32,9 @@ def test_stop_tokens_free_rows_and_both_step_orders_agree(model: Qwen3):
     engine = Engine(model, stop_token_ids=[stop], length_buckets=BUCKETS)
     static = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=10))
     requests = [SequenceRequest(p, 10) for p in PROMPTS]
-    for overlap in (True, False):
-        out = dict(ContinuousBatcher(engine, rows=2, overlap_grammar=overlap).run(requests))
+    for overlap, prefill_rows in ((True, None), (False, None), (True, 1)):
+        batcher = ContinuousBatcher(engine, rows=3, overlap_grammar=overlap, max_prefill_rows=prefill_rows)
+        out = dict(batcher.run(requests))
         assert [out[i].tokens for i in range(len(PROMPTS))] == [g.tokens for g in static]
         assert [out[i].finish_reason for i in range(len(PROMPTS))] == [g.finish_reason for g in static]
     assert static[0].finish_reason == "stop" and static[0].tokens[-1] == stop
@@ -51,6 +52,19 @@ def test_requests_wait_for_a_row_and_a_warm_run_compiles_nothing(model: Qwen3):
     shuffled = [requests[i] for i in (4, 2, 0, 3, 1)]  # other arrivals, rows refilled at other steps
     assert len(list(batcher.run(shuffled))) == len(requests)
     assert _compiles[0] == before
+
+
+@pytest.mark.parametrize("overlap, prefill_rows", [(True, None), (False, 1)])
+def test_precompile_leaves_nothing_for_the_run_to_compile(model: Qwen3, overlap: bool, prefill_rows: int | None):
+    engine = Engine(model, length_buckets=(8, 24))  # shapes no other test compiles
+    batcher = ContinuousBatcher(engine, rows=3, overlap_grammar=overlap, max_prefill_rows=prefill_rows)
+    requests = [SequenceRequest(p, n) for p, n in zip(PROMPTS, (6, 2, 4, 3, 5), strict=True)]
+    before = _compiles[0]
+    batcher.precompile(requests)
+    assert _compiles[0] > before
+    compiled = _compiles[0]
+    assert len(list(batcher.run(requests))) == len(requests)
+    assert _compiles[0] == compiled
 
 
 def test_rows_follow_the_memory_limit_and_each_methods_cache(model: Qwen3):
@@ -77,3 +91,15 @@ def test_bad_requests_are_named_before_anything_runs(model: Qwen3):
             next(batcher.run([SequenceRequest([1, 2], 4), bad]))
     with pytest.raises(ValueError, match="rows=0"):
         ContinuousBatcher(batcher.engine, rows=0)
+
+
+def test_admitted_requests_are_prefilled_longest_first_in_power_of_two_groups():
+    lengths = [5, 9, 3, 7, 1, 8]
+    assert admission_chunks(lengths) == [[1, 5, 3, 0], [2, 4]]  # 6 -> 4 + 2, no empty padding rows
+    assert admission_chunks(lengths[:5]) == [[1, 3, 0, 2], [4]]
+    assert admission_chunks(lengths, data_size=8) == [[1, 5, 3, 0, 2, 4]]  # a mesh pads any group to 8 rows
+    assert admission_chunks(lengths[:5], data_size=2) == [[1, 3, 0, 2], [4]]
+    assert admission_chunks(lengths, max_rows=1) == [[1], [5], [3], [0], [2], [4]]
+    assert admission_chunks(lengths, max_rows=3) == [[1, 5], [3, 0], [2, 4]]
+    assert admission_chunks(lengths, data_size=2, max_rows=1) == [[1, 5], [3, 0], [2, 4]]
+    assert admission_chunks([]) == []

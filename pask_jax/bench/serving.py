@@ -106,6 +106,7 @@ class BenchConfig:
     sweep_workload: str | None = None  # None: the longest workload; "none": no sweep
     sweep_batch: int = 1
     seed: int = 0
+    prefill_rows: int | None = None  # continuous batching: rows prefilled together at most (None: all admitted)
 
 
 # ---- model and engines ----------------------------------------------------------------------------------------------
@@ -472,7 +473,9 @@ def run_stream_benchmark(
         workload = workload_of(setup, name, cfg)
         stream = Stream.of(workload, cfg.max_new_tokens, cfg.seed)
         engines = [(m, b, bench_engine(setup, m, b, cfg)) for m, b in engine_grid(cfg)]
-        part = bench_stream(engines, stream, schedulers, cfg.memory_batch, cfg.max_batch, cfg.repeats, progress)
+        part = bench_stream(
+            engines, stream, schedulers, cfg.memory_batch, cfg.max_batch, cfg.repeats, progress, cfg.prefill_rows
+        )
         result["workloads"][name] = {
             "description": workload.description,
             "prompt_tokens": [len(workload.prompts[i]) for i in stream.order],
@@ -635,6 +638,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated static,continuous: serve each workload as a request stream with natural answer "
         "lengths under each scheduler (pask_jax.bench.stream) instead of fixed-length batches",
     )
+    p.add_argument(
+        "--prefill-rows",
+        type=int,
+        help="continuous batching: rows prefilled together at most (default: every request admitted at once)",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt pool draw and the stream's arrival order")
     p.add_argument("--quick", action="store_true", help="small CPU setting: " + json.dumps(QUICK))
     p.add_argument("--out", type=Path, default=Path("results/serving.json"))
@@ -683,6 +691,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         sweep_workload=pick("sweep_workload"),
         sweep_batch=args.sweep_batch,
         seed=args.seed,
+        prefill_rows=args.prefill_rows,
     )
 
 
@@ -692,8 +701,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    if cfg.repeats < 1 or cfg.memory_batch < 1 or cfg.max_batch < 1:
-        parser.error("--repeats, --memory-batch and --max-batch must be >= 1")
+    if cfg.repeats < 1 or cfg.memory_batch < 1 or cfg.max_batch < 1 or (cfg.prefill_rows or 1) < 1:
+        parser.error("--repeats, --memory-batch, --max-batch and --prefill-rows must be >= 1")
     for name in cfg.workloads:
         try:
             workload_tokens(name)  # fail on a bad name before loading anything

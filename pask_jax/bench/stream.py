@@ -10,15 +10,16 @@ waiting at time 0. Each row stops at EOS or at `--max-new-tokens`, so answers ha
   and the new-token bucket). A method runs with as many rows as fit it (at most `--max-batch`): static batches are
   powers of two (the engine pads a batch to one), continuous rows any count (`scheduler.rows_for_memory`).
 - static: the requests in arrival order, `rows` at a time, each batch decoding until its longest answer ends.
-  continuous: `ContinuousBatcher` with `rows` rows; a row that ends takes the next request; the next token masks are
-  built on the host while the step runs. continuous-sync: the same, masks built before the step (the grammar on the
-  critical path, as in static batching).
+  continuous: `ContinuousBatcher` with `rows` rows; a row that ends takes the next request (at most `--prefill-rows`
+  prefilled together); the next token masks are built on the host while the step runs. continuous-sync: the same,
+  masks built before the step (the grammar on the critical path, as in static batching).
 - Measured per run: requests/s and output tokens/s (wall clock of the whole stream), TTFT p50 / p95 (from time 0 to
   the request's first token: waiting included), end-to-end latency p50 / p95, TPOT (mean over requests of their
   decode-step times), KV cache bytes and weights. Ratios: against Full KV under the same scheduler, and continuous
   against static for the same method, per repeat, then the median.
-- Each (method, budget, scheduler) runs the whole stream once untimed (its compiles), then `--repeats` timed runs,
-  interleaved across all of them; XLA compiles during timed runs are counted (`recompiles`).
+- Each (method, budget, scheduler) first compiles every step the stream can take, ahead of time and without running
+  a prompt (`precompile`), then `--repeats` timed runs, interleaved across all of them; XLA compiles during timed runs
+  are counted (`recompiles`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,23 @@ def _sized(stream: Stream) -> list[SequenceRequest]:
     return [SequenceRequest(stream.workload.prompts[i], stream.max_new_tokens) for i in stream.order]
 
 
-def serve(engine: Engine, stream: Stream, scheduler: str, rows: int) -> dict:
+def precompile(engine: Engine, stream: Stream, scheduler: str, rows: int, prefill_rows: int | None = None) -> None:
+    """Compile every step that serving `stream` takes, without running its prompts (`Engine.precompile`,
+    `ContinuousBatcher.precompile`): the timed passes then run on warm executables."""
+    requests = _sized(stream)
+    if scheduler == "static":
+        for first in range(0, len(requests), rows):
+            lengths = [len(r.ids) for r in requests[first : first + rows]]
+            engine.precompile(engine.batch_shape(lengths, stream.max_new_tokens))
+    else:
+        _batcher(engine, scheduler, rows, prefill_rows).precompile(requests)
+
+
+def _batcher(engine: Engine, scheduler: str, rows: int, prefill_rows: int | None) -> ContinuousBatcher:
+    return ContinuousBatcher(engine, rows, overlap_grammar=scheduler == "continuous", max_prefill_rows=prefill_rows)
+
+
+def serve(engine: Engine, stream: Stream, scheduler: str, rows: int, prefill_rows: int | None = None) -> dict:
     """The whole stream once -> its timings. Each request's TTFT and latency count from the stream's start."""
     requests = stream.requests(engine.cfg.vocab_size)
     ttft, done, tokens, tpot = {}, {}, {}, {}
@@ -93,8 +110,7 @@ def serve(engine: Engine, stream: Stream, scheduler: str, rows: int) -> dict:
         tpot[index] = float(np.mean(steps)) if steps else None
 
     if scheduler in ("continuous", "continuous-sync"):
-        batcher = ContinuousBatcher(engine, rows, overlap_grammar=scheduler == "continuous")
-        for index, gen in batcher.run(requests):
+        for index, gen in _batcher(engine, scheduler, rows, prefill_rows).run(requests):
             record(index, gen, gen.stats.ttft_s)
     elif scheduler == "static":
         for first in range(0, len(requests), rows):
@@ -165,6 +181,7 @@ def bench_stream(
     max_rows: int,
     repeats: int,
     progress: Callable[[str], None] = lambda msg: None,
+    prefill_rows: int | None = None,
 ) -> dict:
     """Every (method, budget) engine under every scheduler at Full KV's cache bytes for `memory_batch` rows.
 
@@ -181,12 +198,12 @@ def bench_stream(
                 raise ValueError(f"{method} at budget {budget}: not one row fits the limit of {limit} cache bytes")
             nbytes = engine.cache_bytes(dataclasses.replace(shape, rows=rows, padded_rows=rows))
             contenders.append(StreamContender(method, budget, scheduler, engine, rows, nbytes))
-            progress(f"{stream.workload.name}: warm-up {method} b={budget:g} {scheduler} rows {rows}")
-            serve(engine, stream, scheduler, rows)
+            progress(f"{stream.workload.name}: compiling {method} b={budget:g} {scheduler} rows {rows}")
+            precompile(engine, stream, scheduler, rows, prefill_rows)
     for r in range(repeats):
         for c in contenders:
             progress(f"{stream.workload.name}: repeat {r + 1}/{repeats} {c.method} b={c.budget:g} {c.scheduler}")
-            c.repeats.append(serve(c.engine, stream, c.scheduler, c.rows))
+            c.repeats.append(serve(c.engine, stream, c.scheduler, c.rows, prefill_rows))
     return {"memory_limit_bytes": limit, "runs": [_record(c, contenders) for c in contenders]}
 
 
