@@ -50,6 +50,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             mesh=mesh,
             scheduler=args.scheduler,
+            max_prefill_rows=args.prefill_rows,
             **_llm_options(args),
         )
 
@@ -321,6 +322,11 @@ def main(argv: list[str] | None = None) -> None:
         default="continuous",
         choices=("continuous", "static"),
         help="continuous: a finished row takes the next request at once; static: micro-batches decode to their end",
+    )
+    p.add_argument(
+        "--prefill-rows",
+        type=int,
+        help="continuous: rows prefilled together at most (default: all admitted; 1 wastes no padding on CPU)",
     )
     p.add_argument(
         "--dtype",

@@ -73,9 +73,12 @@ class LLM:
         mesh: Mesh | None = None,
         scheduler: str = "continuous",
         overlap_grammar: bool = True,
+        max_prefill_rows: int | None = None,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
+        if max_prefill_rows is not None and max_prefill_rows < 1:
+            raise ValueError(f"max_prefill_rows={max_prefill_rows} must be >= 1")
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose from {', '.join(SCHEDULERS)}")
         if method not in METHODS:
@@ -104,7 +107,7 @@ class LLM:
             self.policy.table(self.budget)  # refuse a budget the policy does not answer before loading weights
         self.builder = RequestBuilder(tokenizer, chat_template, max_context=max_context)
         self.max_batch, self.kv_memory_bytes = max_batch, kv_memory_bytes
-        self.scheduler, self.overlap_grammar = scheduler, overlap_grammar
+        self.scheduler, self.overlap_grammar, self.max_prefill_rows = scheduler, overlap_grammar, max_prefill_rows
         self._engine_options = dict(num_groups=num_groups, use_kernel=use_kernel, overrides=method_overrides)
         self._engine: Engine | None = None
 
@@ -234,7 +237,13 @@ class LLM:
                 batch = [prepared[i] for i in wave]
                 first = batch[0].request
                 sampling = SamplingConfig(temperature=first.temperature, top_p=first.top_p, seed=first.seed)
-                batcher = ContinuousBatcher(engine, self._rows(batch), sampling, overlap_grammar=self.overlap_grammar)
+                batcher = ContinuousBatcher(
+                    engine,
+                    self._rows(batch),
+                    sampling,
+                    overlap_grammar=self.overlap_grammar,
+                    max_prefill_rows=self.max_prefill_rows,
+                )
                 sequences = [
                     SequenceRequest(p.ids, p.request.max_tokens, p.roles, self._constraint([p])) for p in batch
                 ]

@@ -136,8 +136,8 @@ def test_stop_strings_cut_text_and_bad_requests_name_their_index(llm: LLM):
 
 
 def test_continuous_and_static_schedulers_give_the_same_answers(llm: LLM, tiny_qwen_vocab, qwen_tok):
-    """Mixed requests (calls, JSON, text; different lengths and limits) through 2 continuous rows and through
-    static micro-batches: the same messages and finish reasons (ids aside)."""
+    """Mixed requests (calls, JSON, text; different lengths and limits) through 3 continuous rows (prefilled
+    together or one at a time) and through static micro-batches: the same messages and finish reasons (ids aside)."""
     template = ChatTemplate((DATA / "qwen2.5_instruct.jinja").read_text(), eos_token="<|im_end|>")
     common = dict(tokenizer=qwen_tok, chat_template=template, method="pask", budget=0.5, policy=None)
     bodies = [
@@ -148,14 +148,16 @@ def test_continuous_and_static_schedulers_give_the_same_answers(llm: LLM, tiny_q
         _body("Say hello to everyone", max_tokens=9),
     ]
 
-    def answers(scheduler: str) -> list:
-        out = LLM(tiny_qwen_vocab, scheduler=scheduler, max_batch=2, **common).chat(bodies)
+    def answers(scheduler: str, **options) -> list:
+        out = LLM(tiny_qwen_vocab, scheduler=scheduler, max_batch=3, **common, **options).chat(bodies)
         for answer in out:  # random ids differ by construction
             for call in answer["choices"][0]["message"].get("tool_calls", []):
                 call.pop("id")
         return [(a["choices"][0]["message"], a["choices"][0]["finish_reason"], a["usage"]) for a in out]
 
-    assert answers("continuous") == answers("static")
+    static = answers("static")
+    assert answers("continuous") == static
+    assert answers("continuous", max_prefill_rows=1) == static
     with pytest.raises(ValueError, match="unknown scheduler 'paged'"):
         LLM(tiny_qwen_vocab, scheduler="paged", **common)
 
