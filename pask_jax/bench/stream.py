@@ -83,7 +83,7 @@ def _sized(stream: Stream) -> list[SequenceRequest]:
 def precompile(engine: Engine, stream: Stream, scheduler: str, rows: int, prefill_rows: int | None = None) -> None:
     """Compile every step that serving `stream` takes, without running its prompts (`Engine.precompile`,
     `ContinuousBatcher.precompile`): the timed passes then run on warm executables."""
-    requests = _sized(stream)
+    requests = stream.requests(engine.cfg.vocab_size)  # with roles and constraints: a method may need them
     if scheduler == "static":
         for first in range(0, len(requests), rows):
             lengths = [len(r.ids) for r in requests[first : first + rows]]
