@@ -173,14 +173,14 @@ def test_request_stream_static_and_continuous_under_one_memory_limit(tmp_path):
     continuous: any count that fits, so at least as many), no compile after the warm-up, ratios per repeat."""
     out = tmp_path / "stream.json"
     args = ["--model", "tiny", "--scheduler", "static,continuous", "--workloads", "bfcl", "--pool", "5"]
-    args += ["--methods", "full,snapkv", "--budgets", "0.33", "--max-new-tokens", "6", "--memory-batch", "2"]
-    result = pask_jax.bench.main(["serving", *args, "--repeats", "2", "--out", str(out)])
+    args += ["--methods", "full,snapkv,pask", "--budgets", "0.33", "--max-new-tokens", "6", "--memory-batch", "2"]
+    result = pask_jax.bench.main(["serving", *args, "--repeats", "2", "--prefill-rows", "1", "--out", str(out)])
     assert json.loads(out.read_text())["complete"] and "| bfcl | snapkv | 0.33 | continuous |" in (
         out.with_suffix(".md").read_text()
     )
     part = result["workloads"]["bfcl"]
     runs = {(r["method"], r["scheduler"]): r for r in part["runs"]}
-    assert set(runs) == {(m, s) for m in ("full", "snapkv") for s in ("static", "continuous")}
+    assert set(runs) == {(m, s) for m in ("full", "snapkv", "pask") for s in ("static", "continuous")}
     assert runs["full", "static"]["rows"] == runs["full", "continuous"]["rows"] == 2
     assert runs["snapkv", "continuous"]["rows"] >= runs["snapkv", "static"]["rows"] > 2
     assert runs["snapkv", "static"]["rows"] & (runs["snapkv", "static"]["rows"] - 1) == 0  # a power of two
