@@ -811,8 +811,8 @@ def _serving_stream(root: Path, file: str) -> str:
     return "\n\n".join(blocks)
 
 
-def serving_stream_cpu_bfcl(root: Path) -> str:
-    return _serving_stream(root, "results/serving_stream_cpu_bfcl.json")
+def serving_stream_cpu_bfcl64(root: Path) -> str:
+    return _serving_stream(root, "results/serving_stream_cpu_bfcl64.json")
 
 
 # DapQ's paper, NIAH on LLaMA-3-8B-Instruct at 8k tokens with 256 kept (about 3%): accuracy in %.
@@ -994,7 +994,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "shipped_policy": shipped_policy,
     "serving_cpu_2k": serving_cpu_2k,
     "serving_cpu_bfcl": serving_cpu_bfcl,
-    "serving_stream_cpu_bfcl": serving_stream_cpu_bfcl,
+    "serving_stream_cpu_bfcl64": serving_stream_cpu_bfcl64,
     "bench_decode": bench_decode,
     "bench_decode_2k": functools.partial(bench_decode, file="results/bench_decode_2k.json"),
     "niah_qwen05b": niah_qwen05b,
