@@ -845,6 +845,33 @@ def niah_qwen05b(root: Path) -> str:
     return _block(claim, _table([*head, "paper, 8k at 3% (LLaMA-3-8B)"], rows))
 
 
+def leading_digits_right(number: str, read: str | None) -> int:
+    """How many digits of the needle's number the answer gets right before its first wrong one."""
+    return next(
+        (i for i, (a, b) in enumerate(zip(number, read or "", strict=False)) if a != b),
+        min(len(number), len(read or "")),
+    )
+
+
+def niah_pooling_probe(root: Path) -> str:
+    """DapQ and SnapKV with and without pooling their scores along the keys: needles found and leading digits right."""
+    result = load_json(root, "results/niah_probe/niah_pooling_2k.json")
+    cells = [c for c in result["cells"] if c["mode"] == "json"]
+    rows, found = [], []
+    for method, budget in dict.fromkeys((c["method"], c["budget"]) for c in cells):
+        mine = [c for c in cells if (c["method"], c["budget"]) == (method, budget)]
+        digits = sum(leading_digits_right(c["number"], c["read"]) for c in mine) / len(mine)
+        correct = sum(c["correct"] for c in mine)
+        rows.append([method, f"{budget:g}", f"{correct}/{len(mine)}", f"{digits:.1f}"])
+        found.append(f"{method} b = {budget:g} {correct}/{len(mine)} ({digits:.1f} digits)")
+    claim = (
+        f"{result['model']}, 2k tokens, JSON answers; needles found and the mean count of leading digits right (of 7): "
+        + ", ".join(found)
+        + "."
+    )
+    return _block(claim, _table(["method", "b", "needles found", "leading digits right (of 7)"], rows))
+
+
 def serving_cpu_2k(root: Path) -> str:
     return _serving(root, "results/serving_cpu_2k.json")
 
@@ -998,6 +1025,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "bench_decode": bench_decode,
     "bench_decode_2k": functools.partial(bench_decode, file="results/bench_decode_2k.json"),
     "niah_qwen05b": niah_qwen05b,
+    "niah_pooling_probe": niah_pooling_probe,
     "bench_kernel": bench_kernel,
     "real_parity": real_parity,
     "cache_bytes": cache_bytes,

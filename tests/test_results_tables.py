@@ -116,3 +116,10 @@ def test_bootstrap_is_seeded_and_covers_the_observed_difference():
             paired_bootstrap_ci(*bad)
     with pytest.raises(ValueError, match="level"):
         paired_bootstrap_ci(a, b, level=1.0)
+
+
+def test_leading_digits_right_stops_at_the_first_wrong_digit():
+    assert report.leading_digits_right("4229659", "4229422") == 4  # the NIAH slips: the number's start kept
+    assert report.leading_digits_right("4229659", "4229659") == 7
+    assert report.leading_digits_right("4229659", "42") == 2 and report.leading_digits_right("4229659", None) == 0
+    assert report.leading_digits_right("4229659", "1234567") == 0
