@@ -153,8 +153,7 @@ class ContinuousBatcher:
         caches = engine.empty_caches(width, capacities)
         for size in sorted(sizes):
             for bucket in sorted(buckets):
-                group = dataclasses.replace(shape, rows=size, padded_rows=size, prompt_bucket=bucket)
-                engine.lower_prefill(group).compile()
+                engine.lower_prefill(self._group_shape(shape, size, bucket)).compile()
             skipped = np.full(size, width, np.int32)  # every row index past the batch: nothing is written
             caches = engine.insert_rows(caches, engine.empty_caches(size, capacities), skipped)
             engine.warm_sampler(size, self.sampling)
@@ -273,12 +272,8 @@ class ContinuousBatcher:
         """Prefill `group` together (their own length bucket, `shape`'s capacities) into rows `slots` of `caches`
         (donated) -> (caches, last-token logits f32[b, V] of the padded group, kept entries i32[b])."""
         engine = self.engine
-        batch = BatchShape(
-            rows=len(group),
-            padded_rows=padded_batch(len(group), engine.data_size),
-            prompt_bucket=length_bucket(max(len(r.ids) for r in group), engine.length_buckets),
-            new_token_bucket=shape.new_token_bucket,
-            capacities=shape.capacities,
+        batch = self._group_shape(
+            shape, len(group), length_bucket(max(len(r.ids) for r in group), engine.length_buckets)
         )
         roles = [r.roles if r.roles is not None else [0] * len(r.ids) for r in group]
         tokens, lengths, prompt_roles = batch.pad([r.ids for r in group], roles)
@@ -286,6 +281,13 @@ class ContinuousBatcher:
         rows = np.full(batch.padded_rows, shape.padded_rows, np.int32)  # padding rows: past the batch, skipped
         rows[: batch.rows] = slots
         return engine.insert_rows(caches, new, rows), logits, np.asarray(kept)
+
+    def _group_shape(self, shape: BatchShape, rows: int, bucket: int) -> BatchShape:
+        """The prefill shape of `rows` admitted requests at length `bucket`, filled to the cache's capacities (what
+        `run` prefills and `precompile` compiles)."""
+        return dataclasses.replace(
+            shape, rows=rows, padded_rows=padded_batch(rows, self.engine.data_size), prompt_bucket=bucket
+        )
 
 
 def admission_chunks(lengths: Sequence[int], data_size: int = 1, max_rows: int | None = None) -> list[list[int]]:

@@ -701,7 +701,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    if cfg.repeats < 1 or cfg.memory_batch < 1 or cfg.max_batch < 1 or (cfg.prefill_rows or 1) < 1:
+    if min(cfg.repeats, cfg.memory_batch, cfg.max_batch, 1 if cfg.prefill_rows is None else cfg.prefill_rows) < 1:
         parser.error("--repeats, --memory-batch, --max-batch and --prefill-rows must be >= 1")
     for name in cfg.workloads:
         try:
