@@ -348,7 +348,7 @@ def prefill_plans(plans: tuple[StepPlan, ...], params, tokens, lengths, roles, c
             kv.append((k, v))
             for plan, seen in zip(plans, observed, strict=True):
                 seen.append(plan.method.prefill_observe(layer, q, k, ctx))
-            return attention(q, k, v, mask)
+            return attention(q, k, v, mask, causal=True)
 
         hidden = model.forward(tokens, positions, attend)
         last = hidden[jnp.arange(b), lengths - 1][:, None]  # only the last prompt token needs logits

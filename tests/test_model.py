@@ -243,17 +243,42 @@ def test_not_a_checkpoint_directory(tmp_path: Path):
         load_hf_checkpoint(tmp_path)
 
 
-def test_chunked_prompt_attention_equals_one_block(monkeypatch):
-    """Prompts longer than QUERY_CHUNK attend chunk by chunk; the result must not depend on the chunking."""
+@pytest.mark.parametrize(
+    ("t", "s", "chunk", "causal"),
+    [
+        (48, 48, 16, True),  # whole blocks, causal skipping
+        (45, 45, 16, True),  # padded to blocks of 16
+        (48, 48, 16, False),
+        (7, 61, 16, False),  # fewer queries than keys (a cached suffix), key blocks only
+        (1, 40, 16, False),  # a decode-sized query
+        (20, 20, 64, True),  # one block, no loops
+    ],
+)
+def test_blocked_attention_equals_reference(monkeypatch, t, s, chunk, causal):
+    """Attention in blocks with an online softmax equals the one-block definition, padding and skipped blocks
+    included; a query with no visible key gets zeros in both."""
     keys = jax.random.split(jax.random.key(3), 3)
-    b, t, n, kv, h = 2, 48, 4, 2, 8
+    b, n, kv, h = 2, 4, 2, 8
     q = jax.random.normal(keys[0], (b, t, n, h))
-    k, v = (jax.random.normal(key, (b, t, kv, h)) for key in keys[1:])
-    lengths = jnp.array([48, 30])
-    pos = jnp.arange(t)
-    mask = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])
-    whole = qwen3.attention(q, k, v, mask)
-    monkeypatch.setattr(qwen3, "QUERY_CHUNK", 16)
-    chunked = qwen3.attention(q, k, v, mask)
-    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-6, atol=1e-6)
-    assert qwen3.over_query_chunks(lambda x: x.sum(1), q, chunk=16).shape == (3, b, n, h)
+    k, v = (jax.random.normal(key, (b, s, kv, h)) for key in keys[1:])
+    lengths = jnp.array([s, max(s - 17, 0)])  # row 1 has padding keys; at t = s its last queries see only padding
+    qpos, kpos = jnp.arange(s - t, s), jnp.arange(s)
+    mask = (kpos[None, None, :] < lengths[:, None, None]) & (qpos[None, :, None] >= kpos[None, None, :])
+    mask = mask & (lengths[:, None, None] > qpos[None, :, None])  # padding queries see nothing
+    monkeypatch.setattr(qwen3, "QUERY_CHUNK", chunk)
+    blocked = qwen3.attention(q, k, v, mask, causal=causal)
+    np.testing.assert_allclose(
+        np.asarray(blocked), np.asarray(qwen3.reference_attention(q, k, v, mask)), rtol=1e-5, atol=1e-6
+    )
+    assert not np.asarray(blocked)[1, np.asarray(qpos) >= int(lengths[1])].any()
+
+
+def test_causal_attention_needs_a_square_mask():
+    q, k = jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 6, 2, 8))
+    with pytest.raises(ValueError, match="as many keys as queries"):
+        qwen3.attention(q, k, k, jnp.ones((1, 4, 6), bool), causal=True)
+
+
+def test_query_chunks_split_the_query_axis():
+    q = jnp.zeros((2, 48, 4, 8))
+    assert qwen3.over_query_chunks(lambda x: x.sum(1), q, chunk=16).shape == (3, 2, 4, 8)

@@ -88,7 +88,7 @@ def prefill(model: Qwen3, item: ItemArrays) -> tuple[jax.Array, jax.Array, jax.A
     def attend(layer, q, k, v):
         ks.append(k[0])
         vs.append(v[0])
-        return attention(q, k, v, mask)
+        return attention(q, k, v, mask, causal=True)
 
     hidden = model.forward(item.prompt[None], positions, attend)  # f[1, Pb, D]
     return jnp.stack(ks), jnp.stack(vs), model.logits(hidden[:, item.prompt_len - 1][:, None])[0, 0]
