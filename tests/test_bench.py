@@ -193,6 +193,20 @@ def test_request_stream_static_and_continuous_under_one_memory_limit(tmp_path):
         serving.main(["--model", "tiny", "--scheduler", "paged"])
 
 
+def test_request_stream_with_the_grammar_on_and_off_the_critical_path(tmp_path):
+    """continuous against continuous-sync: the same rows and output tokens; the continuous run carries its
+    per-repeat ratios against the sync run of the same engine, the sync run none."""
+    args = ["--model", "tiny", "--scheduler", "continuous,continuous-sync", "--workloads", "bfcl", "--pool", "3"]
+    args += ["--methods", "full", "--max-new-tokens", "6", "--memory-batch", "2", "--repeats", "1"]
+    result = pask_jax.bench.main(["serving", *args, "--out", str(tmp_path / "overlap.json")])
+    runs = {r["scheduler"]: r for r in result["workloads"]["bfcl"]["runs"]}
+    overlap, sync = runs["continuous"], runs["continuous-sync"]
+    assert overlap["rows"] == sync["rows"] and sync["vs_sync"] is None
+    assert overlap["repeats"][0]["output_tokens"] == sync["repeats"][0]["output_tokens"] > 0
+    expected = overlap["repeats"][0]["requests_per_s"] / sync["repeats"][0]["requests_per_s"]
+    assert overlap["vs_sync"]["requests_per_s"] == pytest.approx(expected) and overlap["vs_sync"]["tpot_ms"] > 0
+
+
 # ---- workloads, machine --------------------------------------------------------------------------------------------
 
 

@@ -215,6 +215,7 @@ def _median_ratio(run: StreamContender, other: StreamContender, key: str) -> flo
 def _record(c: StreamContender, contenders: Sequence[StreamContender]) -> dict:
     full = next(x for x in contenders if x.method == "full" and x.scheduler == c.scheduler)
     static = next((x for x in contenders if x.engine is c.engine and x.scheduler == "static"), None)
+    sync = next((x for x in contenders if x.engine is c.engine and x.scheduler == "continuous-sync"), None)
     medians = {key: float(np.median([r[key] for r in c.repeats])) for key in TIMED}
     ratios = {key: _median_ratio(c, full, key) for key in ("requests_per_s", "output_tokens_per_s", "ttft_p95_ms")}
     return {
@@ -227,6 +228,10 @@ def _record(c: StreamContender, contenders: Sequence[StreamContender]) -> dict:
         **medians,
         "ratio_vs_full": ratios,
         "requests_per_s_vs_static": None if static is None else _median_ratio(c, static, "requests_per_s"),
+        # continuous (masks built while the step runs) against continuous-sync (masks first), same engine
+        "vs_sync": None
+        if sync is None or c.scheduler != "continuous"
+        else {key: _median_ratio(c, sync, key) for key in ("requests_per_s", "tpot_ms")},
         "recompiles_after_warmup": sum(r["recompiles"] for r in c.repeats),
         "repeats": c.repeats,
     }
