@@ -161,14 +161,28 @@ def attention_probs(
 ) -> jax.Array:  # f32[B, K, G, T, S]
     """Softmax attention weights, grouped by KV head; rows with no visible key are zeros, never NaN."""
     b, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    # [B, K, G*T, H] x [B, K, S, H]: one batched matmul per KV head (3x faster on XLA:CPU than "BTKGH,BSKH")
-    qg = jnp.transpose(q.reshape(b, t, kv_heads, n // kv_heads, h), (0, 2, 3, 1, 4)).reshape(b, kv_heads, -1, h)
-    logits = jnp.einsum("BKMH,BSKH->BKMS", qg, k, preferred_element_type=jnp.float32).reshape(b, kv_heads, -1, t, s)
-    return masked_softmax(logits / math.sqrt(h), mask[:, None, None])  # mask as [B, 1, 1, T, S]
+    kv_heads = k.shape[2]
+    qg = jnp.transpose(q.reshape(b, t, kv_heads, n // kv_heads, h), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
+    logits = _grouped_logits(qg, jnp.transpose(k, (0, 2, 1, 3)))
+    return masked_softmax(logits, mask[:, None, None])  # mask as [B, 1, 1, T, S]
 
 
-QUERY_CHUNK = 512  # attention runs in blocks of this many queries (and keys): [B, N, chunk, chunk] at a time
+def _grouped_logits(
+    q: jax.Array,  # f[B, K, G, T, H]
+    k: jax.Array,  # f[B, K, S, H]
+) -> jax.Array:  # f32[B, K, G, T, S]
+    """Scaled attention logits, grouped by KV head.
+
+    As [B, K, G*T, H] x [B, K, S, H]: one batched matmul per KV head, about 3x faster on XLA:CPU than contracting the
+    query-major [B, T, K, G, H] against [B, S, K, H].
+    """
+    b, kv_heads, g, t, h = q.shape
+    logits = jnp.einsum("BKMH,BKSH->BKMS", q.reshape(b, kv_heads, g * t, h), k, preferred_element_type=jnp.float32)
+    return logits.reshape(b, kv_heads, g, t, -1) / math.sqrt(h)
+
+
+QUERY_CHUNK = 512  # `attention`'s blocks of queries and keys ([B, N, chunk, chunk] weights at a time) and
+# `over_query_chunks`' query chunks ([B, N, chunk, S])
 
 
 def over_query_chunks(fn: Callable[..., jax.Array], *per_query: jax.Array, chunk: int | None = None) -> jax.Array:
@@ -217,9 +231,7 @@ def _attention_block(
     """One block of queries against one block of keys -> unnormalised output f32[B, K, G, c, H], its softmax
     denominator f32[B, K, G, c], the new running max (FlashAttention's online softmax)."""
     b, kv_heads, g, c, h = q.shape
-    # [B, K, G*c, H] x [B, K, s, H]: one batched matmul per KV head, the layout XLA:CPU runs fastest
-    logits = jnp.einsum("BKMH,BKSH->BKMS", q.reshape(b, kv_heads, g * c, h), k, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask[:, None, None], logits.reshape(b, kv_heads, g, c, -1) / math.sqrt(h), -1e30)
+    logits = jnp.where(mask[:, None, None], _grouped_logits(q, k), -1e30)
     new_max = jnp.maximum(row_max, logits.max(axis=-1))
     weights = jnp.where(mask[:, None, None], jnp.exp(logits - new_max[..., None]), 0.0)  # a masked key adds 0
     out = jnp.einsum("BKMS,BKSH->BKMH", weights.reshape(b, kv_heads, g * c, -1).astype(v.dtype), v)
