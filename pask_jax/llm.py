@@ -72,7 +72,7 @@ class LLM:
         dtype: str | None = None,
         mesh: Mesh | None = None,
         scheduler: str = "continuous",
-        overlap_grammar: bool = True,
+        overlap_grammar: bool | None = None,
         max_prefill_rows: int | None = None,
     ):
         if max_batch < 1:

@@ -15,7 +15,8 @@ last position, which writes and evicts inside its own row and is never read. Gre
 
 With `overlap_grammar`, the step is dispatched first (JAX runs it asynchronously) and the next token masks are built
 on the host while it runs; the masked sampler follows. Without it, masks are built first and the fused step
-(`Engine.decode_step`) samples too, as static batching does.
+(`Engine.decode_step`) samples too, as static batching does. The default (None) overlaps on an accelerator only: on
+XLA:CPU the step and the mask work share the same cores, and the overlap measured slower there (docs/RESULTS.md).
 
 Memory: `rows_for_memory` is the row count whose caches fit a byte limit at a given shape: a method that keeps less
 per row gets more rows in the same memory.
@@ -90,13 +91,19 @@ def rows_for_memory(engine: Engine, shape: BatchShape, kv_memory_bytes: int, max
     return rows - rows % engine.data_size
 
 
+def default_overlap_grammar() -> bool:
+    """Build the masks while the step runs only where the step runs elsewhere than the host's cores."""
+    return jax.default_backend() != "cpu"
+
+
 class ContinuousBatcher:
     """Generates `SequenceRequest`s on one engine with `rows` cache rows, refilling rows as sequences end.
 
     `sampling` gives temperature, top-p and seed (its `max_new_tokens` is unused: each request has its own limit).
     `max_prefill_rows` caps the rows prefilled together (None: every admitted request, in power-of-two groups). A
     group is padded to its longest prompt; where prefill throughput does not grow with rows (XLA:CPU: 70 padded
-    tokens/s at 1 row and at 8), 1 wastes nothing; an accelerator gains from larger groups.
+    tokens/s at 1 row and at 8), 1 wastes nothing; an accelerator gains from larger groups. `overlap_grammar=None`
+    takes `default_overlap_grammar()`.
     """
 
     def __init__(
@@ -105,7 +112,7 @@ class ContinuousBatcher:
         rows: int,
         sampling: SamplingConfig | None = None,
         *,
-        overlap_grammar: bool = True,
+        overlap_grammar: bool | None = None,
         max_prefill_rows: int | None = None,
     ):
         if rows < 1:
@@ -113,6 +120,8 @@ class ContinuousBatcher:
         if max_prefill_rows is not None and max_prefill_rows < 1:
             raise ValueError(f"max_prefill_rows={max_prefill_rows} must be >= 1")
         self.engine, self.rows, self.sampling = engine, rows, sampling or SamplingConfig()
+        if overlap_grammar is None:
+            overlap_grammar = default_overlap_grammar()
         self.overlap_grammar, self.max_prefill_rows = overlap_grammar, max_prefill_rows
 
     def check(self, requests: Sequence[SequenceRequest]) -> None:

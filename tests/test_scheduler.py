@@ -40,6 +40,14 @@ def test_stop_tokens_free_rows_and_both_step_orders_agree(model: Qwen3):
     assert static[0].finish_reason == "stop" and static[0].tokens[-1] == stop
 
 
+def test_grammar_overlap_defaults_to_off_on_the_host_cores_only(model: Qwen3, monkeypatch: pytest.MonkeyPatch):
+    engine = Engine(model, length_buckets=BUCKETS)
+    assert ContinuousBatcher(engine, rows=1).overlap_grammar is (jax.default_backend() != "cpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert ContinuousBatcher(engine, rows=1).overlap_grammar is True
+    assert ContinuousBatcher(engine, rows=1, overlap_grammar=False).overlap_grammar is False
+
+
 def test_requests_wait_for_a_row_and_a_warm_run_compiles_nothing(model: Qwen3):
     engine = Engine(model, length_buckets=BUCKETS)
     batcher = ContinuousBatcher(engine, rows=2)
