@@ -611,6 +611,40 @@ def schema_paired(root: Path, file: str = SCHEMA_EVAL) -> str:
     return _block(claim + ".", _table(["A vs B", *PAIRED_HEAD], rows))
 
 
+def long_prompts(root: Path, file: str) -> str:
+    """Long prompts under the frozen methods: accuracy per category and over the full-KV-positive categories, the
+    prompt lengths and grammar time, then PASK paired against the best tuned baseline and full KV per budget."""
+    result, chosen, positive = _frozen_eval(root, file)
+    cfg, keys = result["config"], set(_keys(result))
+    full = category_scores(result, "full", 1.0)
+    columns = [c for c in bfcl.CATEGORIES if c in full]
+    rows = [_eval_row(result, "full", 1.0, positive, columns)[:-1]]
+    paired, parts = [], []
+    for budget in _scored_budgets(result, chosen["pask"]):
+        for method, spec in chosen.items():
+            shown = [s for s in dict.fromkeys((spec, method)) if (s, budget) in keys]
+            rows += [_eval_row(result, s, budget, positive, columns)[:-1] for s in shown]
+        pask = outcomes(result, chosen["pask"], budget, positive)
+        best = _best_tuned(result, chosen, budget, positive)
+        paired.append(_paired_row(f"PASK vs {best}, b = {budget:g}", pask, outcomes(result, best, budget, positive)))
+        paired.append(_paired_row(f"PASK vs full KV, b = {budget:g}", pask, outcomes(result, "full", 1.0, positive)))
+        parts.append(
+            f"b = {budget:g}: PASK {sum(pask.values())}, {best} {paired[-2][3]} (PASK - {best} {paired[-2][6]}, "
+            f"p = {paired[-2][7]})"
+        )
+    lengths = [i["prompt_tokens"] for i in items_of(result, "full", 1.0)]
+    runs = _runs(result, "full", 1.0)
+    prepare = sum(r["prepare_s"] for r in runs) / sum(r["n"] for r in runs)
+    claim = (
+        f"{len(pask)} evaluation questions ({', '.join(positive)}) in prompts of {min(lengths)}-{max(lengths)} tokens "
+        f"(at most {cfg['context']}, {cfg['layout'].replace('_', ' ')}), every tool of the prompt in the grammar "
+        f"({prepare:.1f} s per prompt to build it and compile its grammar): full KV {sum(full[c][0] for c in positive)}"
+        f" correct; " + "; ".join(parts) + "."
+    )
+    head = ["method", "b", *columns, "mean where full KV > 0"]
+    return _block(claim, _table(head, rows), _table(["A vs B", *PAIRED_HEAD], paired))
+
+
 # ---- calibration ----------------------------------------------------------------------------------------------------
 
 CALIBRATION_FILES = (
@@ -1060,6 +1094,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "dev_tuning_b033": dev_tuning_b033,
     "schema_eval": schema_eval,
     "schema_paired": schema_paired,
+    "long_prompts_2k_question_last": functools.partial(long_prompts, file="results/bfcl_long2k_question_last.json"),
+    "long_prompts_2k_question_first": functools.partial(long_prompts, file="results/bfcl_long2k_question_first.json"),
 }
 
 

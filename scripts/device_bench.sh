@@ -103,8 +103,11 @@ echo "== serving benchmark"
 timeout "${SERVING_TIMEOUT:-150}" "$PY" -m pask_jax.bench serving --quick --out "$OUT/serving_gpu.json" ${SERVING_ARGS:-}
 
 echo "== request stream: static vs continuous batching at one KV memory (natural answer lengths)"
+# continuous-sync too: whether building the masks while the step runs pays where the step is on the GPU (on CPU it
+# does not, so there the default is off).
 # shellcheck disable=SC2086
-timeout "${STREAM_TIMEOUT:-150}" "$PY" -m pask_jax.bench serving --scheduler static,continuous --workloads bfcl \
+timeout "${STREAM_TIMEOUT:-150}" "$PY" -m pask_jax.bench serving --scheduler static,continuous,continuous-sync \
+    --workloads bfcl \
     --pool 32 --methods full,pask,snapkv --budgets 0.33 --max-new-tokens 64 --memory-batch 4 --max-batch 32 \
     --repeats 2 --no-plot --out "$OUT/serving_stream_gpu.json" ${SERVING_ARGS:-} || tests_rc=1
 exit "$tests_rc"
