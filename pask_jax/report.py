@@ -820,7 +820,7 @@ def _serving_stream(root: Path, file: str) -> str:
             for r in runs
         ]  # fmt: skip
         tokens = part["prompt_tokens"]
-        continuous = [r for r in runs if r["scheduler"] == "continuous" and r["method"] != "full"]
+        continuous = [r for r in runs if r["scheduler"].startswith("continuous") and r["method"] != "full"]
         claim = (
             f"{name}: {len(tokens)} requests (prompts of {min(tokens)}-{max(tokens)} tokens, answers to EOS or "
             f"{result['config']['max_new_tokens']} tokens) under full KV's cache at {result['config']['memory_batch']} "
@@ -833,7 +833,7 @@ def _serving_stream(root: Path, file: str) -> str:
             + ", ".join(
                 f"{r['method']} {_ratio(r['requests_per_s_vs_static'])}"
                 for r in runs
-                if r["scheduler"] == "continuous" and r["requests_per_s_vs_static"] is not None
+                if r["scheduler"].startswith("continuous") and r["requests_per_s_vs_static"] is not None
             )
             + "."
         )
@@ -847,6 +847,10 @@ def _serving_stream(root: Path, file: str) -> str:
 
 def serving_stream_cpu_bfcl64(root: Path) -> str:
     return _serving_stream(root, "results/serving_stream_cpu_bfcl64.json")
+
+
+def serving_stream_cpu_2k(root: Path) -> str:
+    return _serving_stream(root, "results/serving_stream_cpu_2k.json")
 
 
 def serving_grammar_overlap(root: Path) -> str:
@@ -1083,6 +1087,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "serving_cpu_2k": serving_cpu_2k,
     "serving_cpu_bfcl": serving_cpu_bfcl,
     "serving_stream_cpu_bfcl64": serving_stream_cpu_bfcl64,
+    "serving_stream_cpu_2k": serving_stream_cpu_2k,
     "serving_grammar_overlap": serving_grammar_overlap,
     "bench_decode": bench_decode,
     "bench_decode_2k": functools.partial(bench_decode, file="results/bench_decode_2k.json"),
