@@ -611,6 +611,9 @@ def schema_paired(root: Path, file: str = SCHEMA_EVAL) -> str:
     return _block(claim + ".", _table(["A vs B", *PAIRED_HEAD], rows))
 
 
+WRONG_FUNCTION = "simple_function_checker:wrong_func_name"  # BFCL's error type for a call to another function
+
+
 def long_prompts(root: Path, file: str) -> str:
     """Long prompts under the frozen methods: accuracy per category and over the full-KV-positive categories, the
     prompt lengths and grammar time, then PASK paired against the best tuned baseline and full KV per budget."""
@@ -618,14 +621,20 @@ def long_prompts(root: Path, file: str) -> str:
     cfg, keys = result["config"], set(_keys(result))
     full = category_scores(result, "full", 1.0)
     columns = [c for c in bfcl.CATEGORIES if c in full]
-    rows = [_eval_row(result, "full", 1.0, positive, columns)[:-1]]
+
+    def row(spec: str, budget: float) -> list[str]:  # ... and how many items called another function than asked
+        wrong = sum(i["error_type"] == WRONG_FUNCTION for i in items_of(result, spec, budget, positive))
+        return [*_eval_row(result, spec, budget, positive, columns)[:-1], wrong]
+
+    rows = [row("full", 1.0)]
     paired, parts = [], []
     for budget in _scored_budgets(result, chosen["pask"]):
         for method, spec in chosen.items():
-            shown = [s for s in dict.fromkeys((spec, method)) if (s, budget) in keys]
-            rows += [_eval_row(result, s, budget, positive, columns)[:-1] for s in shown]
+            rows += [row(s, budget) for s in dict.fromkeys((spec, method)) if (s, budget) in keys]
         pask = outcomes(result, chosen["pask"], budget, positive)
-        best = _best_tuned(result, chosen, budget, positive)
+        # the strongest baseline row, tuned or default: the comparison hardest for PASK (reported, not chosen)
+        baselines = [s for s, b in _keys(result) if math.isclose(b, budget) and method_of(s) not in ("full", "pask")]
+        best = max(baselines, key=lambda s: sum(outcomes(result, s, budget, positive).values()))
         paired.append(_paired_row(f"PASK vs {best}, b = {budget:g}", pask, outcomes(result, best, budget, positive)))
         paired.append(_paired_row(f"PASK vs full KV, b = {budget:g}", pask, outcomes(result, "full", 1.0, positive)))
         parts.append(
@@ -641,7 +650,7 @@ def long_prompts(root: Path, file: str) -> str:
         f"({prepare:.1f} s per prompt to build it and compile its grammar): full KV {sum(full[c][0] for c in positive)}"
         f" correct; " + "; ".join(parts) + "."
     )
-    head = ["method", "b", *columns, "mean where full KV > 0"]
+    head = ["method", "b", *columns, "mean where full KV > 0", "wrong function called"]
     return _block(claim, _table(head, rows), _table(["A vs B", *PAIRED_HEAD], paired))
 
 
