@@ -811,6 +811,10 @@ def _serving(root: Path, file: str) -> str:
     return _block(claim, *tables)
 
 
+def _run_label(run: dict) -> str:
+    return run["method"] if run["method"] == "full" else f"{run['method']} b = {run['budget']:g}"
+
+
 def _serving_stream(root: Path, file: str) -> str:
     """A request-stream result (`bench serving --scheduler`): per workload, every (method, budget, scheduler)."""
     result = load_json(root, file)
@@ -828,19 +832,20 @@ def _serving_stream(root: Path, file: str) -> str:
             ]
             for r in runs
         ]  # fmt: skip
-        tokens = part["prompt_tokens"]
+        tokens, memory_rows = part["prompt_tokens"], result["config"]["memory_batch"]
         continuous = [r for r in runs if r["scheduler"].startswith("continuous") and r["method"] != "full"]
         claim = (
             f"{name}: {len(tokens)} requests (prompts of {min(tokens)}-{max(tokens)} tokens, answers to EOS or "
-            f"{result['config']['max_new_tokens']} tokens) under full KV's cache at {result['config']['memory_batch']} "
-            f"rows ({part['memory_limit_bytes'] / 2**20:.1f} MiB). Continuous batching, requests/s against full KV's: "
+            f"{result['config']['max_new_tokens']} tokens) under full KV's cache at {memory_rows} "
+            f"row{'' if memory_rows == 1 else 's'} ({part['memory_limit_bytes'] / 2**20:.1f} MiB). "
+            "Continuous batching, requests/s against full KV's: "
             + ", ".join(
                 f"{r['method']} b = {r['budget']:g} ({r['rows']} rows) {_ratio(r['ratio_vs_full']['requests_per_s'])}"
                 for r in continuous
             )
             + "; against static batching of the same method: "
             + ", ".join(
-                f"{r['method']} {_ratio(r['requests_per_s_vs_static'])}"
+                f"{_run_label(r)} {_ratio(r['requests_per_s_vs_static'])}"
                 for r in runs
                 if r["scheduler"].startswith("continuous") and r["requests_per_s_vs_static"] is not None
             )
