@@ -42,10 +42,10 @@ def test_stop_tokens_free_rows_and_both_step_orders_agree(model: Qwen3):
 
 def test_grammar_overlap_defaults_to_off_on_the_host_cores_only(model: Qwen3, monkeypatch: pytest.MonkeyPatch):
     engine = Engine(model, length_buckets=BUCKETS)
-    assert ContinuousBatcher(engine, rows=1).overlap_grammar is (jax.default_backend() != "cpu")
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert ContinuousBatcher(engine, rows=1).overlap_grammar is True
-    assert ContinuousBatcher(engine, rows=1, overlap_grammar=False).overlap_grammar is False
+    for backend, overlap in (("cpu", False), ("tpu", True), ("gpu", True)):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert ContinuousBatcher(engine, rows=1).overlap_grammar is overlap
+        assert ContinuousBatcher(engine, rows=1, overlap_grammar=not overlap).overlap_grammar is (not overlap)
 
 
 def test_requests_wait_for_a_row_and_a_warm_run_compiles_nothing(model: Qwen3):
