@@ -834,6 +834,11 @@ def _serving_stream(root: Path, file: str) -> str:
         ]  # fmt: skip
         tokens, memory_rows = part["prompt_tokens"], result["config"]["memory_batch"]
         continuous = [r for r in runs if r["scheduler"].startswith("continuous") and r["method"] != "full"]
+        over_static = [
+            f"{_run_label(r)} {_ratio(r['requests_per_s_vs_static'])}"
+            for r in runs
+            if r["scheduler"].startswith("continuous") and r["requests_per_s_vs_static"] is not None
+        ]
         claim = (
             f"{name}: {len(tokens)} requests (prompts of {min(tokens)}-{max(tokens)} tokens, answers to EOS or "
             f"{result['config']['max_new_tokens']} tokens) under full KV's cache at {memory_rows} "
@@ -843,12 +848,7 @@ def _serving_stream(root: Path, file: str) -> str:
                 f"{r['method']} b = {r['budget']:g} ({r['rows']} rows) {_ratio(r['ratio_vs_full']['requests_per_s'])}"
                 for r in continuous
             )
-            + "; against static batching of the same method: "
-            + ", ".join(
-                f"{_run_label(r)} {_ratio(r['requests_per_s_vs_static'])}"
-                for r in runs
-                if r["scheduler"].startswith("continuous") and r["requests_per_s_vs_static"] is not None
-            )
+            + ("; against static batching of the same method: " + ", ".join(over_static) if over_static else "")
             + "."
         )
         head = [
@@ -865,6 +865,10 @@ def serving_stream_cpu_bfcl64(root: Path) -> str:
 
 def serving_stream_cpu_2k(root: Path) -> str:
     return _serving_stream(root, "results/serving_stream_cpu_2k.json")
+
+
+def serving_stream_cpu_bfcl64_b02(root: Path) -> str:
+    return _serving_stream(root, "results/serving_stream_cpu_bfcl64_b02.json")
 
 
 def serving_grammar_overlap(root: Path) -> str:
@@ -1102,6 +1106,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "serving_cpu_bfcl": serving_cpu_bfcl,
     "serving_stream_cpu_bfcl64": serving_stream_cpu_bfcl64,
     "serving_stream_cpu_2k": serving_stream_cpu_2k,
+    "serving_stream_cpu_bfcl64_b02": serving_stream_cpu_bfcl64_b02,
     "serving_grammar_overlap": serving_grammar_overlap,
     "bench_decode": bench_decode,
     "bench_decode_2k": functools.partial(bench_decode, file="results/bench_decode_2k.json"),
