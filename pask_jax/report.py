@@ -558,6 +558,13 @@ def _zero_for_full(result: dict) -> list[str]:
     return [c for c, (k, _) in category_scores(result, "full", 1.0).items() if k == 0]
 
 
+def _shown_specs(result: dict, chosen: dict[str, str], budget: float) -> list[str]:
+    """The specs a frozen table shows at `budget`: per method its tuned variant, then its default where it differs
+    and was run."""
+    keys = set(_keys(result))
+    return [s for m, spec in chosen.items() for s in dict.fromkeys((spec, m)) if (s, budget) in keys]
+
+
 def _best_tuned(result: dict, chosen: dict[str, str], budget: float, positive: list[str]) -> str:
     """The tuned baseline with the most correct items over the full-KV-positive categories at `budget`."""
     baselines = [spec for m, spec in chosen.items() if m != "pask" and (spec, budget) in set(_keys(result))]
@@ -567,15 +574,12 @@ def _best_tuned(result: dict, chosen: dict[str, str], budget: float, positive: l
 def schema_eval(root: Path, file: str = SCHEMA_EVAL) -> str:
     """Accuracy per category, the mean over the categories where full KV scores above 0 and the 8-category mean."""
     result, chosen, positive = _frozen_eval(root, file)
-    keys = set(_keys(result))
     full = category_scores(result, "full", 1.0)
     columns = [c for c in bfcl.CATEGORIES if c in full]
     rows = [_eval_row(result, "full", 1.0, positive, columns)]
     budgets = _scored_budgets(result, chosen["pask"])
     for budget in budgets:
-        for method, spec in chosen.items():  # the tuned row, then the default's where it differs and was run
-            shown = [s for s in dict.fromkeys((spec, method)) if (s, budget) in keys]
-            rows += [_eval_row(result, s, budget, positive, columns) for s in shown]
+        rows += [_eval_row(result, s, budget, positive, columns) for s in _shown_specs(result, chosen, budget)]
     cut = [c for c in columns if c not in positive]
     items = sum(n for _, n in full.values())
     parts = []
@@ -616,9 +620,10 @@ WRONG_FUNCTION = "simple_function_checker:wrong_func_name"  # BFCL's error type 
 
 def long_prompts(root: Path, file: str) -> str:
     """Long prompts under the frozen methods: accuracy per category and over the full-KV-positive categories, the
-    prompt lengths and grammar time, then PASK paired against the best tuned baseline and full KV per budget."""
+    prompt lengths and grammar time, then PASK paired against the strongest baseline row (tuned or default) and full
+    KV per budget."""
     result, chosen, positive = _frozen_eval(root, file)
-    cfg, keys = result["config"], set(_keys(result))
+    cfg = result["config"]
     full = category_scores(result, "full", 1.0)
     columns = [c for c in bfcl.CATEGORIES if c in full]
 
@@ -629,8 +634,7 @@ def long_prompts(root: Path, file: str) -> str:
     rows = [row("full", 1.0)]
     paired, parts = [], []
     for budget in _scored_budgets(result, chosen["pask"]):
-        for method, spec in chosen.items():
-            rows += [row(s, budget) for s in dict.fromkeys((spec, method)) if (s, budget) in keys]
+        rows += [row(s, budget) for s in _shown_specs(result, chosen, budget)]
         pask = outcomes(result, chosen["pask"], budget, positive)
         # the strongest baseline row, tuned or default: the comparison hardest for PASK (reported, not chosen)
         baselines = [s for s, b in _keys(result) if math.isclose(b, budget) and method_of(s) not in ("full", "pask")]
@@ -845,8 +849,7 @@ def _serving_stream(root: Path, file: str) -> str:
             f"row{'' if memory_rows == 1 else 's'} ({part['memory_limit_bytes'] / 2**20:.1f} MiB). "
             "Continuous batching, requests/s against full KV's: "
             + ", ".join(
-                f"{r['method']} b = {r['budget']:g} ({r['rows']} rows) {_ratio(r['ratio_vs_full']['requests_per_s'])}"
-                for r in continuous
+                f"{_run_label(r)} ({r['rows']} rows) {_ratio(r['ratio_vs_full']['requests_per_s'])}" for r in continuous
             )
             + ("; against static batching of the same method: " + ", ".join(over_static) if over_static else "")
             + "."
