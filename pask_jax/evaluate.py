@@ -9,9 +9,9 @@ Each batch gets one compiled grammar per item (its own functions), the prompt ro
 per-request statistics (kept/full KV ratios, token counts, times).
 
 `context=N` turns each item into a long prompt of at most N tokens (`pask_jax.long_context`): its tools list filled
-with distractor functions, the question after (`layout="question_last"`) or before (`"question_first"`) the tools,
-and the grammar allowing every tool in the prompt, as a user's request would. The time to build the prompts and
-compile their grammars is recorded per category (`prepare_s`).
+with distractor functions of its own split, the question after (`layout="question_last"`) or before
+(`"question_first"`) the tools, and the grammar allowing every tool in the prompt, as a user's request would. The time
+to build the prompts and compile their grammars is recorded per category (`prepare_s`).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _prepare(item: dict, tokenizer: Tokenizer, cfg: EvalConfig) -> PreparedReque
     builder = RequestBuilder(tokenizer, None)
     if not cfg.context:
         return builder.prepare_bfcl(item, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
-    messages, tools = long_context_prompt(item, tokenizer, cfg.context, item_seed(item["id"]), cfg.layout)
+    messages, tools = long_context_prompt(item, tokenizer, cfg.context, item_seed(item["id"]), cfg.layout, cfg.split)
     return builder.prepare_tool_prompt(messages, tools, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
 
 

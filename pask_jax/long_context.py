@@ -1,9 +1,10 @@
 """Long tool-calling prompts: one BFCL question whose tools list is filled with distractor functions.
 
 Where KV compression matters: most of a long prompt is schema the call does not need, some of it is schema the call
-does need. The distractors are other evaluation items' functions (BFCL-preprocessed, deduplicated by name), taken in a
-seeded order while they fit; the item's own functions sit at a seeded place among them. The prompt is BFCL's fixed Qwen
-FC prompt over the whole list, at most `target` tokens.
+does need. The distractors are other functions of the item's own split (evaluation or dev, BFCL-preprocessed,
+deduplicated by name, so a dev prompt never shows an evaluation schema), taken in a seeded order while they fit; the
+item's own functions sit at a seeded place among them. The prompt is BFCL's fixed Qwen FC prompt over the whole list,
+at most `target` tokens.
 
 Layouts (where the question is):
 - "question_last": BFCL's own, the question in the last user turn, after the tools list.
@@ -29,11 +30,14 @@ QUESTION_FIRST_ASK = "Make the function call that answers the request stated bef
 
 
 @functools.cache
-def distractor_pool(tokenizer: Tokenizer) -> tuple[tuple[dict, int], ...]:
-    """Every evaluation item's functions (BFCL-preprocessed, deduplicated by name) with their tokens in a prompt."""
+def distractor_pool(tokenizer: Tokenizer, split: str = "evaluation") -> tuple[tuple[dict, int], ...]:
+    """Every function of `split`'s items (BFCL-preprocessed, deduplicated by name) with its tokens in a prompt."""
+    if split not in bfcl.SPLITS:
+        raise ValueError(f"split {split!r}; choose from {', '.join(bfcl.SPLITS)}")
+    sample = bfcl.dev_sample if split == "dev" else bfcl.evaluation_sample
     seen, out = set(), []
     for category in bfcl.CATEGORIES:
-        for item in bfcl.evaluation_sample(category, 0, None):
+        for item in sample(category, 0, None):
             for function in bfcl_python_functions(item["function"]):
                 if function["name"] not in seen:
                     seen.add(function["name"])
@@ -60,15 +64,15 @@ def question_messages(item: dict, layout: str) -> list[dict]:
 
 
 def long_context_prompt(
-    item: dict, tokenizer: Tokenizer, target: int, seed: int, layout: str = "question_last"
+    item: dict, tokenizer: Tokenizer, target: int, seed: int, layout: str = "question_last", split: str = "evaluation"
 ) -> tuple[list[dict], list[dict]]:
     """(messages, tools) of a prompt of at most `target` tokens: the item's question in `layout`, its own functions
-    among distractors. `format_tool_prompt(messages, tools)` is the prompt."""
+    among distractors from `split` (the item's split). `format_tool_prompt(messages, tools)` is the prompt."""
     messages = question_messages(item, layout)
     own = bfcl_python_functions(item["function"])
     names = {f["name"] for f in own}
     rng = np.random.default_rng(seed)
-    pool = [p for p in distractor_pool(tokenizer) if p[0]["name"] not in names]
+    pool = [p for p in distractor_pool(tokenizer, split) if p[0]["name"] not in names]
     budget = target - len(tokenizer.encode(format_tool_prompt(messages, own)))
     chosen = []
     for i in rng.permutation(len(pool)):

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from pask_jax import bfcl, load_tokenizer
-from pask_jax.long_context import QUESTION_FIRST_ASK, item_seed, long_context_prompt, question_messages
+from pask_jax.long_context import (
+    QUESTION_FIRST_ASK,
+    distractor_pool,
+    item_seed,
+    long_context_prompt,
+    question_messages,
+)
 from pask_jax.models.chat_template import bfcl_prompt, format_tool_prompt
 from pask_jax.structure import prompt_roles
 
@@ -44,3 +50,15 @@ def test_question_first_keeps_a_system_message_and_refuses_unknown_layouts():
     with pytest.raises(ValueError, match="layout"):
         question_messages(item, "middle")
     assert item_seed("simple_python_1") == item_seed("simple_python_1") != item_seed("simple_python_2")
+
+
+def test_dev_prompts_take_their_distractors_from_dev_items_only(tokenizer):
+    """Tuning on long dev prompts must not show evaluation schemas: every tool of a dev prompt is a dev function."""
+    dev_names = {f["name"] for f, _ in distractor_pool(tokenizer, "dev")}
+    evaluation_names = {f["name"] for f, _ in distractor_pool(tokenizer, "evaluation")}
+    item = bfcl.dev_sample("live_multiple", 0, 1)[0]
+    _, tools = long_context_prompt(item, tokenizer, 2048, seed=0, split="dev")
+    assert len(tools) > 5 and {t["name"] for t in tools} <= dev_names
+    assert {t["name"] for t in tools} - evaluation_names  # not merely names both splits share
+    with pytest.raises(ValueError, match="split"):
+        distractor_pool(tokenizer, "calibration")

@@ -11,13 +11,14 @@ import pytest
 from flax import nnx
 
 from pask_jax.engine import Engine
-from pask_jax.methods import H2O, METHODS, DapQ, FullKV, PyramidKV, SnapKV
+from pask_jax.methods import H2O, METHODS, DapQ, FullKV, PaskKV, PyramidKV, SnapKV
 from pask_jax.methods.base import PROTECTED
 from pask_jax.methods.h2o import accumulated_attention, fold_recent_window
 from pask_jax.methods.pyramidkv import pyramid_fractions
 from pask_jax.methods.snapkv import prompt_first_priority, window_scores
 from pask_jax.models import qwen3
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.structure.roles import Role
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -282,3 +283,51 @@ def test_a_method_config_file_layers_on_the_packaged_defaults(tmp_path):
     path.write_text("[snapkvv]\nwindow = 8\n")
     with pytest.raises(ValueError, match="unknown method"):
         load_method_config(path)
+
+
+def _pask_prefill(method, roles: list[int], dapq: list[float]) -> np.ndarray:
+    """PASK's prefill scores (one layer, one sequence, one KV head) of a prompt with these roles, DapQ giving
+    `dapq` to its entries."""
+    t = len(roles)
+    ctx, _ = fake_ctx([list(range(1, t + 1))], t=t, kv_heads=1, layers=1)
+    ctx.positions = jnp.arange(t)[None]
+    ctx.valid = jnp.ones((1, t), bool)
+    ctx.roles = jnp.asarray([[int(x) for x in roles]], jnp.int32)
+    ctx.extra_query_scores = lambda *_: [jnp.asarray(dapq, jnp.float32)[None, None]]
+    observed = [method.prefill_observe(0, None, None, ctx)]
+    return np.asarray(method.prefill_scores(observed, ctx)[0])[0, 0]
+
+
+def test_pask_rank_and_system_as_user_options():
+    from pask_jax.methods.pask import POSITION_RANGE, TIER
+
+    r = len(Role)
+    floor, priority = np.zeros((r, 1)), np.zeros((r, 1))
+    floor[Role.USER_TEXT], priority[Role.USER_TEXT] = 1.0, 0.5
+    priority[Role.PARAM_NAME], priority[Role.DESCRIPTION] = 0.5, 0.25
+    tables = dict(
+        floor=tuple(map(tuple, floor)),
+        priority=tuple(map(tuple, priority)),
+        retain=((True,),) * r,
+        group_fractions=(0.5,),
+        layer_group=(0,),
+    )
+    S, U, P, D = Role.SINK, Role.USER_TEXT, Role.PARAM_NAME, Role.DESCRIPTION
+    roles = [S, Role.SYSTEM_TEXT, Role.SYSTEM_TEXT, P, P, D, D, U]
+    dapq = [0.0, 0.1, 0.2, 0.9, 0.1, 0.8, 0.3, 0.0]  # what the coming call attends to
+    level = lambda score: np.floor(score / POSITION_RANGE)  # noqa: E731
+
+    recency = _pask_prefill(PaskKV(**tables), roles, dapq)
+    assert level(recency[1:3]).tolist() == [0, 0] and level(recency[7]) == TIER + 32  # system text: nothing
+    assert recency[4] > recency[3] and recency[6] > recency[5]  # inside a level, the later entry stays
+    request = _pask_prefill(PaskKV(**tables, system_as_user=True), roles, dapq)
+    np.testing.assert_array_equal(level(request[1:3]), level(recency[7]))  # now floor-protected as the user's turn
+    ranked = _pask_prefill(PaskKV(**tables, rank="dapq"), roles, dapq)
+    assert ranked[3] > ranked[4] and ranked[5] > ranked[6]  # inside a level, DapQ's order
+    assert ranked[4] > ranked[5]  # levels still first: a parameter name outranks every description
+    tier = _pask_prefill(PaskKV(**tables, rank="dapq_tier"), roles, dapq)
+    unprotected = [3, 4, 5, 6]
+    assert sorted(unprotected, key=lambda i: tier[i]) == [4, 6, 5, 3]  # DapQ alone orders the unprotected
+    assert tier[7] > tier[unprotected].max()  # the floor-protected user text stays above all of them
+    with pytest.raises(ValueError, match="rank"):
+        PaskKV(rank="attention")

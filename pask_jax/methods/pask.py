@@ -14,9 +14,16 @@ while the call stays (evicting it instead sends the model into repetition loops)
 fall to the bottom once they are more than `release_window` tokens old. The decode step does one table lookup per
 token: no attention statistics. Scores stay exact in float32 (< 2**24) for positions below 2**16.
 
-Hyper-parameters: `sinks` (first positions kept, as StreamingLLM's attention sinks; 1 here, the SINK role),
-`rank` ("recency", or "dapq": inside a level, order prompt entries by DapQ's position-aware pseudo-query scores
-instead of position). Without a policy (`PaskKV()`), every bucket is equal: recency with sinks.
+Hyper-parameters:
+- `sinks`: first positions kept, as StreamingLLM's attention sinks (1 here, the SINK role).
+- `rank`: how prompt entries are ordered once the policy has placed them. "recency" (default): inside a level, by
+  position. "dapq": inside a level, by DapQ's position-aware pseudo-query scores instead of position (the prompt
+  part the coming call attends to). "dapq_tier": inside a tier, by DapQ's scores alone: the policy's floors still
+  protect their entries, and DapQ, not the calibrated priority, orders the rest of the prompt.
+- `system_as_user`: score a system message's text as USER_TEXT (its floor, priority and action). Calibration sees
+  a fixed system instruction, so SYSTEM_TEXT gets nothing; a user whose request sits in the system prompt needs it kept
+  like the user's turn.
+Without a policy (`PaskKV()`), every bucket is equal: recency with sinks.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from pask_jax.structure.roles import Role, num_roles
 POSITION_RANGE = 2**16
 PRIORITY_LEVELS = 64
 TIER = PRIORITY_LEVELS + 1  # levels per tier: 0 unprotected, 1 floor-protected prompt, 2 retained generated
+RANKS = ("recency", "dapq", "dapq_tier")
 
 Table = tuple[tuple[float, ...], ...]  # [R][G]
 
@@ -53,7 +61,12 @@ class PaskKV(KVMethod):
     budget: float | None = None  # the budget the tables were compiled for (None: no policy)
     release_window: int = 8
     sinks: int = 1
-    rank: str = "recency"  # or "dapq"
+    rank: str = "recency"  # or "dapq" / "dapq_tier"
+    system_as_user: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank not in RANKS:
+            raise ValueError(f"PASK rank must be one of {RANKS}, not {self.rank!r}")
 
     @classmethod
     def from_policy(cls, policy: PersistencePolicy, budget: float, **overrides) -> PaskKV:
@@ -97,7 +110,10 @@ class PaskKV(KVMethod):
 
     def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
         floor, priority, _ = self._bucket_tables(layer)
-        roles = jnp.where(ctx.positions < self.sinks, int(Role.SINK), ctx.roles)  # i32[B, T]
+        roles = ctx.roles  # i32[B, T]
+        if self.system_as_user:
+            roles = jnp.where(roles == int(Role.SYSTEM_TEXT), int(Role.USER_TEXT), roles)
+        roles = jnp.where(ctx.positions < self.sinks, int(Role.SINK), roles)
         # Floors protect the most recent ceil(floor * n) entries of each (sequence, role): rank from the end.
         onehot = (roles[..., None] == jnp.arange(num_roles())) & ctx.valid[..., None]  # [B, T, R]
         later = jnp.flip(jnp.cumsum(jnp.flip(onehot, 1), 1), 1) - onehot  # same-role tokens after t
@@ -112,14 +128,15 @@ class PaskKV(KVMethod):
     def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
         if self.rank == "recency":
             return observed
-        if self.rank != "dapq":
-            raise ValueError(f"PASK rank must be 'recency' or 'dapq', not {self.rank!r}")
-        # Inside a level, order prompt entries by DapQ's pseudo-query attention (its rank replaces the position).
+        # Inside a level (or a tier), order prompt entries by DapQ's pseudo-query attention: its rank replaces the
+        # position (and, for "dapq_tier", the priority).
         pseudo = DapQ().prefill_scores([None] * len(observed), ctx)
         ranked = []
         for score, d in zip(observed, pseudo, strict=True):
             order = jnp.argsort(jnp.argsort(jnp.where(ctx.valid[:, None], d, -jnp.inf), axis=-1), axis=-1)
             level = jnp.floor(score / POSITION_RANGE)
+            if self.rank == "dapq_tier":
+                level = TIER * jnp.floor(level / TIER)
             ranked.append(jnp.where(score >= PROTECTED, score, level * POSITION_RANGE + order))
         return ranked
 
