@@ -15,6 +15,7 @@ no JAX) and, for one table, the role names of ``pask_jax.structure.roles``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -476,6 +477,29 @@ def dev_compiler(root: Path) -> str:
 DEV_TUNING = "results/dev_tuning/dev_b033.json"
 SCHEMA_EVAL = "results/bfcl_schema_eval.json"
 TUNING_BUDGET = 0.33
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Where a frozen table's variants were chosen: dev results (read as one) and the budget the rule compared at."""
+
+    files: tuple[str, ...]
+    budget: float
+
+    def dev_result(self, root: Path) -> dict:
+        results = [load_json(root, f) for f in self.files]
+        for file, result in zip(self.files, results, strict=True):
+            for spec, b in _keys(result):
+                if any(bfcl.part_of(i["id"]) != "dev" for i in items_of(result, spec, b)):
+                    raise ReportError(f"{file}: {spec} scores items outside the schema split's dev part")
+        return {"config": results[0]["config"], "runs": [run for r in results for run in r["runs"]]}
+
+
+SHORT_TUNING = Tuning((DEV_TUNING,), TUNING_BUDGET)  # the frozen methods of section 1
+LONG_TUNING = Tuning(  # long prompts: every method's variant chosen on long dev prompts, both layouts
+    ("results/dev_long/bfcl_dev_long2k_question_last.json", "results/dev_long/bfcl_dev_long2k_question_first.json"),
+    0.2,
+)
 METHOD_NAMES = {"streamingllm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "pyramidkv": "PyramidKV"}
 METHOD_NAMES |= {"dapq": "DapQ", "pask": "PASK", "full": "full KV"}
 
@@ -494,40 +518,42 @@ def _settings(result: dict, spec: str) -> str:
     return text
 
 
-def dev_tuning_b033(root: Path) -> str:
-    """Every method's variants on the dev items at b = 0.33, the rule's choice marked."""
-
-    result = load_json(root, DEV_TUNING)
-    for spec, b in _keys(result):
-        if any(bfcl.part_of(i["id"]) != "dev" for i in items_of(result, spec, b)):
-            raise ReportError(f"{DEV_TUNING}: {spec} scores items outside the schema split's dev part")
-    chosen = choose_variants(result, TUNING_BUDGET)
-    totals = dev_totals(result, TUNING_BUDGET)
+def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
+    """Every method's variants on the dev items at the tuning budget, the rule's choice marked (per file too, when
+    the dev result is several files)."""
+    result = tuning.dev_result(root)
+    parts = [load_json(root, f) for f in tuning.files] if len(tuning.files) > 1 else []
+    chosen = choose_variants(result, tuning.budget)
+    totals = dev_totals(result, tuning.budget)
     present = [c for c in bfcl.CATEGORIES if any(r["category"] == c for r in result["runs"])]
     rows = []
     for spec, (correct, n) in totals.items():
-        scores = category_scores(result, spec, 1.0 if spec == "full" else TUNING_BUDGET)
+        scores = category_scores(result, spec, 1.0 if spec == "full" else tuning.budget)
         cells = [f"{scores[c][0]}/{scores[c][1]}" for c in present]
+        per_file = ["{}/{}".format(*dev_totals(part, tuning.budget)[spec]) for part in parts]
         mark = "**chosen**" if chosen.get(method_of(spec)) == spec else ""
-        rows.append([spec, _settings(result, spec), *cells, f"{correct}/{n}", mark])
+        rows.append([spec, _settings(result, spec), *cells, *per_file, f"{correct}/{n}", mark])
     (n,) = {n for _, n in totals.values()}
     claim = (
-        f"On {n} dev items at b = {TUNING_BUDGET:g} (full KV {totals['full'][0]}), the rule chose "
+        f"On {n} dev items at b = {tuning.budget:g} (full KV {totals['full'][0]}), the rule chose "
         + ", ".join(f"{spec} ({totals[spec][0]})" for spec in chosen.values())
         + "."
     )
-    head = ["variant", "settings", *present, "correct", ""]
+    layouts = [part["config"]["layout"].replace("_", " ") for part in parts]
+    head = ["variant", "settings", *present, *layouts, "correct", ""]
     return _block(claim, _table(head, rows))
 
 
-def _frozen_eval(root: Path, file: str = SCHEMA_EVAL) -> tuple[dict, dict[str, str], list[str]]:
+def _frozen_eval(
+    root: Path, file: str = SCHEMA_EVAL, tuning: Tuning = SHORT_TUNING
+) -> tuple[dict, dict[str, str], list[str]]:
     """The evaluation result, the dev rule's choice per method, and the categories where full KV scores above 0 and
     every scored method ran.
 
     Refuses a result that scored any variant other than the rule's choice and the method's default (reported beside
     it), or any item outside the evaluation part."""
     result = load_json(root, file)
-    chosen = choose_variants(load_json(root, DEV_TUNING), TUNING_BUDGET)
+    chosen = choose_variants(tuning.dev_result(root), tuning.budget)
     scored = {spec for spec, _ in _keys(result)} - {"full"}
     if stray := sorted(scored - set(chosen.values()) - set(chosen)):
         raise ReportError(f"{file} scores {stray}, neither the dev rule's choice ({chosen}) nor a default")
@@ -618,11 +644,11 @@ def schema_paired(root: Path, file: str = SCHEMA_EVAL) -> str:
 WRONG_FUNCTION = "simple_function_checker:wrong_func_name"  # BFCL's error type for a call to another function
 
 
-def long_prompts(root: Path, file: str) -> str:
-    """Long prompts under the frozen methods: accuracy per category and over the full-KV-positive categories, the
-    prompt lengths and grammar time, then PASK paired against the strongest baseline row (tuned or default) and full
-    KV per budget."""
-    result, chosen, positive = _frozen_eval(root, file)
+def long_prompts(root: Path, file: str, tuning: Tuning = SHORT_TUNING) -> str:
+    """Long prompts under frozen methods (chosen by `tuning`): accuracy per category and over the full-KV-positive
+    categories, the prompt lengths and grammar time, then PASK (its chosen variant, and its default where that
+    differs) paired against the strongest baseline row (tuned or default) and full KV per budget."""
+    result, chosen, positive = _frozen_eval(root, file, tuning)
     cfg = result["config"]
     full = category_scores(result, "full", 1.0)
     columns = [c for c in bfcl.CATEGORIES if c in full]
@@ -635,16 +661,22 @@ def long_prompts(root: Path, file: str) -> str:
     paired, parts = [], []
     for budget in _scored_budgets(result, chosen["pask"]):
         rows += [row(s, budget) for s in _shown_specs(result, chosen, budget)]
-        pask = outcomes(result, chosen["pask"], budget, positive)
         # the strongest baseline row, tuned or default: the comparison hardest for PASK (reported, not chosen)
         baselines = [s for s, b in _keys(result) if math.isclose(b, budget) and method_of(s) not in ("full", "pask")]
         best = max(baselines, key=lambda s: sum(outcomes(result, s, budget, positive).values()))
-        paired.append(_paired_row(f"PASK vs {best}, b = {budget:g}", pask, outcomes(result, best, budget, positive)))
-        paired.append(_paired_row(f"PASK vs full KV, b = {budget:g}", pask, outcomes(result, "full", 1.0, positive)))
-        parts.append(
-            f"b = {budget:g}: PASK {sum(pask.values())}, {best} {paired[-2][3]} (PASK - {best} {paired[-2][6]}, "
-            f"p = {paired[-2][7]})"
-        )
+        for spec in [s for s in _shown_specs(result, chosen, budget) if method_of(s) == "pask"]:
+            name = "PASK" if spec == "pask" else spec
+            pask = outcomes(result, spec, budget, positive)
+            paired.append(
+                _paired_row(f"{name} vs {best}, b = {budget:g}", pask, outcomes(result, best, budget, positive))
+            )
+            paired.append(
+                _paired_row(f"{name} vs full KV, b = {budget:g}", pask, outcomes(result, "full", 1.0, positive))
+            )
+            parts.append(
+                f"b = {budget:g}: {name} {sum(pask.values())}, {best} {paired[-2][3]} ({name} - {best} "
+                f"{paired[-2][6]}, p = {paired[-2][7]})"
+            )
     lengths = [i["prompt_tokens"] for i in items_of(result, "full", 1.0)]
     runs = _runs(result, "full", 1.0)
     prepare = sum(r["prepare_s"] for r in runs) / sum(r["n"] for r in runs)
@@ -1118,7 +1150,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "bench_kernel": bench_kernel,
     "real_parity": real_parity,
     "cache_bytes": cache_bytes,
-    "dev_tuning_b033": dev_tuning_b033,
+    "dev_tuning_b033": dev_tuning,
     "schema_eval": schema_eval,
     "schema_paired": schema_paired,
     "long_prompts_2k_question_last": functools.partial(long_prompts, file="results/bfcl_long2k_question_last.json"),
