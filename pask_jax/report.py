@@ -117,11 +117,12 @@ def outcomes(result: dict, method: str, budget: float, categories: Sequence[str]
 
 
 def category_scores(result: dict, method: str, budget: float) -> dict[str, tuple[int, int]]:
-    """category -> (correct, n) of one (method, budget), counted from the items."""
-    return {
-        r["category"]: (sum(bool(i["valid"]) for i in r["items"]), len(r["items"]))
-        for r in _runs(result, method, budget)
-    }
+    """category -> (correct, n) of one (method, budget), counted from the items (summed over runs of one category)."""
+    scores: dict[str, tuple[int, int]] = {}
+    for r in _runs(result, method, budget):
+        correct, n = scores.get(r["category"], (0, 0))
+        scores[r["category"]] = (correct + sum(bool(i["valid"]) for i in r["items"]), n + len(r["items"]))
+    return scores
 
 
 def overall(result: dict, method: str, budget: float) -> float | None:
@@ -1100,8 +1101,8 @@ def bench_kernel(root: Path) -> str:
     return _block(claim, _table(head, rows))
 
 
-def real_parity(root: Path) -> str:
-    result = load_json(root, "results/real_parity.json")
+def real_parity(root: Path, file: str = "results/real_parity.json") -> str:
+    result = load_json(root, file)
     rows = [[i["id"], "yes" if i["identical"] else "no", i["first_divergence"] or "-"] for i in result["items"]]
     claim = (
         f"{result['model']} (GGUF): our engine and transformers' own GGUF load give identical greedy "

@@ -76,6 +76,44 @@ def test_a_missing_results_file_is_named(tmp_path: Path):
         render_tables("<!-- table:cache_bytes -->\n<!-- /table -->\n", tmp_path)
 
 
+@needs_bfcl_data
+def test_variants_are_chosen_over_every_dev_file_and_evaluation_rows_held_to_the_choice(tmp_path: Path):
+    from pask_jax import bfcl
+
+    dev = [i["id"] for i in bfcl.dev_sample("simple_python", 0, 3)]
+    held_out = [i["id"] for i in bfcl.evaluation_sample("simple_python", 0, 3)]
+
+    def write(name: str, split: str, layout: str, right: dict[str, list[str]]) -> str:
+        ids = dev if split == "dev" else held_out
+        runs = [
+            {"method": spec, "budget": 1.0 if spec == "full" else 0.2, "category": "simple_python", "prepare_s": 1.0}
+            | {"items": [{"id": i, "valid": i in ok, "prompt_tokens": 9, "error_type": None} for i in ids], "n": 3}
+            for spec, ok in right.items()
+        ]
+        config = {"split": split, "layout": layout, "context": 16, "method_config": {}, "policies": {}}
+        (tmp_path / name).write_text(json.dumps({"config": config, "runs": runs}))
+        return name
+
+    # snapkv:w8 wins the first file 2-1, the default the second 2-0: over both, the default (3 against 2)
+    files = (
+        write("a.json", "dev", "question_last", {"full": dev, "snapkv": dev[:1], "snapkv:w8": dev[:2], "pask": []}),
+        write("b.json", "dev", "question_first", {"full": dev, "snapkv": dev[:2], "snapkv:w8": [], "pask": []}),
+    )
+    tuning = report.Tuning(files, 0.2)
+    table = report.dev_tuning(tmp_path, tuning)
+    assert "| snapkv | - | 3/6 | 1/3 | 2/3 | 3/6 | **chosen** |" in table
+    assert "| snapkv:w8 | - | 2/6 | 2/3 | 0/3 | 2/6 |  |" in table
+    full = {"full": held_out, "pask": held_out[:1]}
+    evaluation = write("e.json", "evaluation", "question_last", full | {"snapkv": held_out[:2], "snapkv:w8": []})
+    with pytest.raises(ReportError, match=r"scores \['snapkv:w8'\], neither the dev rule's choice"):
+        report.long_prompts(tmp_path, evaluation, tuning)
+    evaluation = write("e.json", "evaluation", "question_last", full | {"snapkv": held_out[:2]})
+    assert "| PASK vs snapkv, b = 0.2 | 3 | 1 | 2 | 0 | 1 |" in report.long_prompts(tmp_path, evaluation, tuning)
+    write("b.json", "evaluation", "question_first", {"full": held_out, "snapkv": [], "snapkv:w8": [], "pask": []})
+    with pytest.raises(ReportError, match="outside the schema split's dev part"):
+        report.dev_tuning(tmp_path, tuning)
+
+
 # ---- paired statistics ----------------------------------------------------------------------------------------------
 
 
