@@ -1152,6 +1152,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "real_parity": real_parity,
     "cache_bytes": cache_bytes,
     "dev_tuning_b033": dev_tuning,
+    "dev_tuning_long2k": functools.partial(dev_tuning, tuning=LONG_TUNING),
     "schema_eval": schema_eval,
     "schema_paired": schema_paired,
     "long_prompts_2k_question_last": functools.partial(long_prompts, file="results/bfcl_long2k_question_last.json"),
