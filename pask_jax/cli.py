@@ -19,9 +19,29 @@ def cmd_fetch_model(args: argparse.Namespace) -> None:
     print(f"{args.name}: {path}  ({MODELS[args.name].license})")
 
 
+def _method_spec(spec: str) -> str:
+    """`NAME` or `NAME:LABEL` (a labelled variant of the method config), its method checked without importing JAX."""
+    if spec.partition(":")[0] not in METHOD_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown method {spec!r}; known: {', '.join(METHOD_NAMES)} (or NAME:LABEL)")
+    return spec
+
+
 def _llm_options(args: argparse.Namespace) -> dict:
+    """LLM's method, budget, policy and hyper-parameters; a labelled variant takes its method config section."""
+    from pask_jax.methods import load_method_config
+
+    method, _, label = args.method.partition(":")
+    overrides = None
+    if label or args.method_config:
+        config = load_method_config(args.method_config)
+        if label and args.method not in config:
+            variants = sorted(s for s in config if s.startswith(method + ":"))
+            raise SystemExit(f"error: no variant {args.method!r} in the method config; it has: {', '.join(variants)}")
+        overrides = config.get(method, {}) | config.get(args.method, {})
     policy = None if args.policy in (None, "none") else args.policy
-    return dict(method=args.method, budget=args.budget, policy=policy if args.method == "pask" else None)
+    return dict(
+        method=method, budget=args.budget, policy=policy if method == "pask" else None, method_overrides=overrides
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -38,6 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     init_distributed()  # before any JAX computation; a no-op unless the environment asks for it
     mesh = None if args.mesh is None else make_mesh(*parse_mesh(args.mesh))
+    options = _llm_options(args)  # a bad variant is an error before the model loads
 
     def build():
         from pask_jax.llm import LLM
@@ -51,7 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             mesh=mesh,
             scheduler=args.scheduler,
             max_prefill_rows=args.prefill_rows,
-            **_llm_options(args),
+            **options,
         )
 
     summary = run_batch(build, args.input, args.output, process=jax.process_index(), processes=jax.process_count())
@@ -308,7 +329,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-i", "--input", required=True, help="OpenAI Batch input lines (custom_id, method, url, body)")
     p.add_argument("-o", "--output", required=True, help="results, appended; a rerun skips answered custom_ids")
     p.add_argument("--model", default=DEFAULT_MODEL, help="registered name, .gguf file or HF checkpoint directory")
-    p.add_argument("--method", default="pask", choices=sorted(METHOD_NAMES))
+    p.add_argument(
+        "--method",
+        default="pask",
+        type=_method_spec,
+        help=f"{', '.join(METHOD_NAMES)}, or NAME:LABEL, a labelled variant of the method config "
+        "(e.g. pask:dapq_tier_request, the long-prompt dev choice)",
+    )
+    p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
     p.add_argument("--budget", type=float, default=0.33, help="total KV budget in (0, 1] (full KV: 1)")
     p.add_argument(
         "--policy", default="auto", help="PASK policy: auto (the shipped one that fits the model), a directory, none"

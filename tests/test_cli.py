@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -39,3 +40,17 @@ def test_run_exit_status_counts_failed_lines(tmp_path: Path, capsys):
         cli.main(["run", "-i", str(inp), "-o", str(tmp_path / "out.jsonl"), "--model", "no-such-model"])
     assert exit_info.value.code == 1
     assert "1 failed" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_run_takes_a_labelled_variant_and_names_a_missing_one(tmp_path: Path, capsys):
+    args = argparse.Namespace(method="pask:dapq_tier_request", method_config=None, budget=0.2, policy="auto")
+    options = cli._llm_options(args)
+    assert options["method"] == "pask" and options["policy"] == "auto"
+    assert options["method_overrides"] == {"sinks": 1, "rank": "dapq_tier", "system_as_user": True}
+    args.method = "snapkv"
+    assert cli._llm_options(args)["method_overrides"] is None  # no variant, no config file: the method's defaults
+    with pytest.raises(SystemExit, match="no variant 'pask:nope' in the method config; it has: pask:dapq_rank"):
+        cli.main(["run", "-i", "x", "-o", str(tmp_path / "o.jsonl"), "--method", "pask:nope", "--model", "no-such"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", "-i", "x", "-o", "y", "--method", "magic:w8"])
+    assert exit_info.value.code == 2 and "unknown method 'magic:w8'" in capsys.readouterr().err
