@@ -665,6 +665,7 @@ def long_prompts(root: Path, file: str, tuning: Tuning = SHORT_TUNING) -> str:
         # the strongest baseline row, tuned or default: the comparison hardest for PASK (reported, not chosen)
         baselines = [s for s, b in _keys(result) if math.isclose(b, budget) and method_of(s) not in ("full", "pask")]
         best = max(baselines, key=lambda s: sum(outcomes(result, s, budget, positive).values()))
+        named, differences = [], []
         for spec in [s for s in _shown_specs(result, chosen, budget) if method_of(s) == "pask"]:
             name = "PASK" if spec == "pask" else spec
             pask = outcomes(result, spec, budget, positive)
@@ -674,10 +675,9 @@ def long_prompts(root: Path, file: str, tuning: Tuning = SHORT_TUNING) -> str:
             paired.append(
                 _paired_row(f"{name} vs full KV, b = {budget:g}", pask, outcomes(result, "full", 1.0, positive))
             )
-            parts.append(
-                f"b = {budget:g}: {name} {sum(pask.values())}, {best} {paired[-2][3]} ({name} - {best} "
-                f"{paired[-2][6]}, p = {paired[-2][7]})"
-            )
+            named.append(f"{name} {sum(pask.values())}")
+            differences.append(f"{name} - {best} {paired[-2][6]}, p = {paired[-2][7]}")
+        parts.append(f"b = {budget:g}: {', '.join(named)}, {best} {paired[-2][3]} ({'; '.join(differences)})")
     lengths = [i["prompt_tokens"] for i in items_of(result, "full", 1.0)]
     runs = _runs(result, "full", 1.0)
     prepare = sum(r["prepare_s"] for r in runs) / sum(r["n"] for r in runs)
@@ -1157,6 +1157,9 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "schema_paired": schema_paired,
     "long_prompts_2k_question_last": functools.partial(long_prompts, file="results/bfcl_long2k_question_last.json"),
     "long_prompts_2k_question_first": functools.partial(long_prompts, file="results/bfcl_long2k_question_first.json"),
+    "long_prompts_2k_fresh_question_last": functools.partial(
+        long_prompts, file="results/bfcl_long2k_fresh_question_last.json", tuning=LONG_TUNING
+    ),
 }
 
 
