@@ -1157,9 +1157,12 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "schema_paired": schema_paired,
     "long_prompts_2k_question_last": functools.partial(long_prompts, file="results/bfcl_long2k_question_last.json"),
     "long_prompts_2k_question_first": functools.partial(long_prompts, file="results/bfcl_long2k_question_first.json"),
-    "long_prompts_2k_fresh_question_last": functools.partial(
-        long_prompts, file="results/bfcl_long2k_fresh_question_last.json", tuning=LONG_TUNING
-    ),
+    **{
+        f"long_prompts_2k_fresh_{layout}": functools.partial(
+            long_prompts, file=f"results/bfcl_long2k_fresh_{layout}.json", tuning=LONG_TUNING
+        )
+        for layout in ("question_last", "question_first")
+    },
 }
 
 
