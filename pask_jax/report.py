@@ -1150,6 +1150,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "niah_pooling_probe": niah_pooling_probe,
     "bench_kernel": bench_kernel,
     "real_parity": real_parity,
+    "real_parity_1_5b": functools.partial(real_parity, file="results/real_parity_qwen2.5-coder-1.5b.json"),
     "cache_bytes": cache_bytes,
     "dev_tuning_b033": dev_tuning,
     "dev_tuning_long2k": functools.partial(dev_tuning, tuning=LONG_TUNING),
