@@ -1154,6 +1154,9 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "cache_bytes": cache_bytes,
     "dev_tuning_b033": dev_tuning,
     "dev_tuning_long2k": functools.partial(dev_tuning, tuning=LONG_TUNING),
+    "dev_b033_long_variant": functools.partial(
+        dev_tuning, tuning=Tuning(("results/dev_tuning/dev_b033_long_variant.json",), TUNING_BUDGET)
+    ),
     "schema_eval": schema_eval,
     "schema_paired": schema_paired,
     "long_prompts_2k_question_last": functools.partial(long_prompts, file="results/bfcl_long2k_question_last.json"),
