@@ -187,6 +187,15 @@ def dev_sample(category: str, offset: int = 0, limit: int | None = 25, rule: str
     return _slice(split_items(category, rule).dev, offset, limit)
 
 
+def split_sample(
+    split: str, category: str, offset: int = 0, limit: int | None = 25, rule: str = SPLIT_RULE
+) -> list[dict]:
+    """`evaluation_sample` or `dev_sample` by name (one of `SPLITS`)."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}; choose from {', '.join(SPLITS)}")
+    return (dev_sample if split == "dev" else evaluation_sample)(category, offset, limit, rule)
+
+
 def _slice(items: list[dict], offset: int, limit: int | None) -> list[dict]:
     if offset < 0 or (limit is not None and limit < 0):
         raise ValueError(f"offset and limit must be >= 0, got offset={offset}, limit={limit}")

@@ -28,16 +28,15 @@ def _method_spec(spec: str) -> str:
 
 def _llm_options(args: argparse.Namespace) -> dict:
     """LLM's method, budget, policy and hyper-parameters; a labelled variant takes its method config section."""
+    from pask_jax.evaluate import resolve_spec
     from pask_jax.methods import load_method_config
 
-    method, _, label = args.method.partition(":")
-    overrides = None
-    if label or args.method_config:
-        config = load_method_config(args.method_config)
-        if label and args.method not in config:
-            variants = sorted(s for s in config if s.startswith(method + ":"))
-            raise SystemExit(f"error: no variant {args.method!r} in the method config; it has: {', '.join(variants)}")
-        overrides = config.get(method, {}) | config.get(args.method, {})
+    method, overrides = args.method.partition(":")[0], None
+    if ":" in args.method or args.method_config:
+        try:
+            _, overrides, _ = resolve_spec(args.method, load_method_config(args.method_config), {})
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     policy = None if args.policy in (None, "none") else args.policy
     return dict(
         method=method, budget=args.budget, policy=policy if method == "pask" else None, method_overrides=overrides

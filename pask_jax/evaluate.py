@@ -62,8 +62,7 @@ class EvalConfig:
             raise ValueError(f"context={self.context} must be >= 0 and layout={self.layout!r} one of {LAYOUTS}")
 
     def sample(self, category: str) -> list[dict]:
-        sample = bfcl.dev_sample if self.split == "dev" else bfcl.evaluation_sample
-        return sample(category, self.offset, self.limit, rule=self.split_rule)
+        return bfcl.split_sample(self.split, category, self.offset, self.limit, rule=self.split_rule)
 
 
 def _item_result(item: dict, answer: dict, gen, tokenizer: Tokenizer, cfg: EvalConfig) -> dict:
@@ -171,8 +170,10 @@ def resolve_spec(
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r} in {spec!r}; known: {', '.join(METHODS)}")
     if label and spec not in method_config and not (name == "pask" and label in policies):
+        variants = ", ".join(s for s in method_config if s.startswith(name + ":")) or "none"
         raise ValueError(
-            f"{spec!r}: a label must name a method-config section [{spec!r}] (or, for pask, a --policy LABEL=PATH)"
+            f"{spec!r}: a label must name a method-config section [{spec!r}] (or, for pask, a --policy LABEL=PATH); "
+            f"the config's {name} variants: {variants}"
         )
     policy = policies.get(label, policies.get("pask")) if name == "pask" else None
     return name, method_config.get(name, {}) | method_config.get(spec, {}), policy

@@ -32,12 +32,9 @@ QUESTION_FIRST_ASK = "Make the function call that answers the request stated bef
 @functools.cache
 def distractor_pool(tokenizer: Tokenizer, split: str = "evaluation") -> tuple[tuple[dict, int], ...]:
     """Every function of `split`'s items (BFCL-preprocessed, deduplicated by name) with its tokens in a prompt."""
-    if split not in bfcl.SPLITS:
-        raise ValueError(f"split {split!r}; choose from {', '.join(bfcl.SPLITS)}")
-    sample = bfcl.dev_sample if split == "dev" else bfcl.evaluation_sample
     seen, out = set(), []
     for category in bfcl.CATEGORIES:
-        for item in sample(category, 0, None):
+        for item in bfcl.split_sample(split, category, 0, None):
             for function in bfcl_python_functions(item["function"]):
                 if function["name"] not in seen:
                     seen.add(function["name"])

@@ -487,13 +487,19 @@ class Tuning:
     files: tuple[str, ...]
     budget: float
 
-    def dev_result(self, root: Path) -> dict:
+    def dev_parts(self, root: Path) -> list[dict]:
+        """Each dev file's result, refused if it scores any item outside the dev part."""
         results = [load_json(root, f) for f in self.files]
         for file, result in zip(self.files, results, strict=True):
             for spec, b in _keys(result):
                 if any(bfcl.part_of(i["id"]) != "dev" for i in items_of(result, spec, b)):
                     raise ReportError(f"{file}: {spec} scores items outside the schema split's dev part")
-        return {"config": results[0]["config"], "runs": [run for r in results for run in r["runs"]]}
+        return results
+
+    def dev_result(self, root: Path, parts: list[dict] | None = None) -> dict:
+        """The dev files read as one result (their runs in order)."""
+        parts = self.dev_parts(root) if parts is None else parts
+        return {"config": parts[0]["config"], "runs": [run for r in parts for run in r["runs"]]}
 
 
 SHORT_TUNING = Tuning((DEV_TUNING,), TUNING_BUDGET)  # the frozen methods of section 1
@@ -522,8 +528,9 @@ def _settings(result: dict, spec: str) -> str:
 def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
     """Every method's variants on the dev items at the tuning budget, the rule's choice marked (per file too, when
     the dev result is several files)."""
-    result = tuning.dev_result(root)
-    parts = [load_json(root, f) for f in tuning.files] if len(tuning.files) > 1 else []
+    parts = tuning.dev_parts(root)
+    result = tuning.dev_result(root, parts)
+    by_file = parts if len(parts) > 1 else []  # a column per file only when there are several
     chosen = choose_variants(result, tuning.budget)
     totals = dev_totals(result, tuning.budget)
     present = [c for c in bfcl.CATEGORIES if any(r["category"] == c for r in result["runs"])]
@@ -531,7 +538,7 @@ def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
     for spec, (correct, n) in totals.items():
         scores = category_scores(result, spec, 1.0 if spec == "full" else tuning.budget)
         cells = [f"{scores[c][0]}/{scores[c][1]}" for c in present]
-        per_file = ["{}/{}".format(*dev_totals(part, tuning.budget)[spec]) for part in parts]
+        per_file = ["{}/{}".format(*dev_totals(part, tuning.budget)[spec]) for part in by_file]
         mark = "**chosen**" if chosen.get(method_of(spec)) == spec else ""
         rows.append([spec, _settings(result, spec), *cells, *per_file, f"{correct}/{n}", mark])
     (n,) = {n for _, n in totals.values()}
@@ -540,7 +547,7 @@ def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
         + ", ".join(f"{spec} ({totals[spec][0]})" for spec in chosen.values())
         + "."
     )
-    layouts = [part["config"]["layout"].replace("_", " ") for part in parts]
+    layouts = [part["config"]["layout"].replace("_", " ") for part in by_file]
     head = ["variant", "settings", *present, *layouts, "correct", ""]
     return _block(claim, _table(head, rows))
 

@@ -49,7 +49,9 @@ def test_run_takes_a_labelled_variant_and_names_a_missing_one(tmp_path: Path, ca
     assert options["method_overrides"] == {"sinks": 1, "rank": "dapq_tier", "system_as_user": True}
     args.method = "snapkv"
     assert cli._llm_options(args)["method_overrides"] is None  # no variant, no config file: the method's defaults
-    with pytest.raises(SystemExit, match="no variant 'pask:nope' in the method config; it has: pask:dapq_rank"):
+    with pytest.raises(
+        SystemExit, match="'pask:nope': a label must name .* the config's pask variants: pask:dapq_rank"
+    ):
         cli.main(["run", "-i", "x", "-o", str(tmp_path / "o.jsonl"), "--method", "pask:nope", "--model", "no-such"])
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["run", "-i", "x", "-o", "y", "--method", "magic:w8"])
