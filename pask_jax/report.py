@@ -34,7 +34,7 @@ BUDGETS = (0.2, 0.33, 0.5)
 BASELINES = ("random", "streamingllm", "h2o", "snapkv", "pyramidkv", "dapq")
 NON_PARALLEL = ("simple_python", "multiple", "live_simple", "live_multiple")
 SHIPPED_POLICY = "pask_jax/policies/qwen2.5-coder-0.5b"
-SHIPPED_STATS = "results/calibration_qwen2.5-coder-0.5b_own16.json"
+OWN16_STATS = "results/calibration_qwen2.5-coder-0.5b_own16.json"  # the item-hash policy sections 2-5 scored
 SWEEP = "results/bfcl_sweep_25.json"
 SWEEP_PASK = ("results/bfcl_pask_entry_order.json", "results/bfcl_pask_entry_order_parallel.json")
 CLOSING = "<!-- /table -->"
@@ -238,11 +238,11 @@ def _tool_sets() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
 
 
 def _calibration_items(root: Path) -> list[str]:
-    """The calibration items of the policy every PASK result was scored with (the statistics it was compiled
-    from), checked to lie in the item-hash calibration part."""
-    items = load_json(root, SHIPPED_STATS)["item_ids"]
+    """The calibration items of the policy the item-hash sections' PASK results were scored with (the statistics it
+    was compiled from), checked to lie in the item-hash calibration part."""
+    items = load_json(root, OWN16_STATS)["item_ids"]
     if outside := [i for i in items if bfcl.part_of(i, "item-hash") != "calibration"]:
-        raise ReportError(f"{SHIPPED_STATS}: items {outside[:3]} are not item-hash calibration items")
+        raise ReportError(f"{OWN16_STATS}: items {outside[:3]} are not item-hash calibration items")
     return items
 
 
@@ -269,7 +269,7 @@ def split_overlap(root: Path) -> str:
     schema_parts = Counter(bfcl.part_of(i, "schema") for i in calibration)
     claim = (
         f"Under the item-hash split, {totals[1]} of the {totals[0]} evaluation items of the default sample call the "
-        f"same set of functions (by name) as one of the shipped policy's {len(calibration)} calibration items; "
+        f"same set of functions (by name) as one of the own16 policy's {len(calibration)} calibration items; "
         f"{totals[2]} of them have identical function definitions (names, parameters, descriptions). Under the "
         f"schema rule {schema_parts['evaluation']} of those calibration items are evaluation items and "
         f"{sum(bfcl.part_of(i, 'schema') == 'dev' for i in sample)} of the sample's items are dev items."
@@ -369,7 +369,7 @@ def versus_full(root: Path) -> str:
 # ---- BFCL: ablations and compiler options ---------------------------------------------------------------------------
 
 ABLATIONS_ENTRY_ORDER = "results/bfcl_ablations_entry_order_b033_limit8.json"
-ABLATION_REFERENCE = "pask (shipped policy)"  # the row the paired column compares with
+ABLATION_REFERENCE = "pask (own16 policy)"  # the row the paired column compares with
 ABLATION_ROWS = (  # (label, file, method, budget)
     ("full KV", SWEEP, "full", 1.0),
     ("streamingllm", SWEEP, "streamingllm", 0.33),
@@ -423,13 +423,13 @@ def ablations_b033(root: Path) -> str:
     here = items_of(load_json(root, file), method, budget)
     same = sum(i["text"] == texts.get(i["id"]) for i in here)
     claim = (
-        f"On these {len(here)} items at b = 0.33 the shipped policy gets {correct[ABLATION_REFERENCE]} right; its "
+        f"On these {len(here)} items at b = 0.33 the own16 policy gets {correct[ABLATION_REFERENCE]} right; its "
         "ablations "
         + ", ".join(f"{label.removeprefix('pask:')} {n}" for label, n in correct.items() if label.startswith("pask:"))
-        + f"; full KV {correct['full KV']}, DapQ {correct['dapq']}. The shipped policy's outputs here equal its "
+        + f"; full KV {correct['full KV']}, DapQ {correct['dapq']}. The own16 policy's outputs here equal its "
         f"default-sample run's on {same} of the {len(here)} items, text for text."
     )
-    head = ["variant", *NON_PARALLEL, "mean", "correct", "only shipped / only variant"]
+    head = ["variant", *NON_PARALLEL, "mean", "correct", "only own16 / only variant"]
     return _block(claim, _table(head, rows))
 
 
@@ -437,7 +437,7 @@ DEV_FILES = {0.33: "results/dev_compiler_b033.json", 0.2: "results/dev_compiler_
 DEV_POLICIES = {  # label in the files -> what the policy is (all compiled from the own16 statistics)
     "full": "full KV (b = 1)",
     "pask:shipped": "removal order (policies/qwen2.5-coder-0.5b-removal-order)",
-    "pask:order": "per-entry order (the shipped policy)",
+    "pask:order": "per-entry order (the own16 policy)",
     "pask:fs05": "per-entry order, `--floor-share 0.5`",
     "pask:tol1": "per-entry order, `--tolerance 0.07`",
     "pask:tol1_fs05": "per-entry order, `--tolerance 0.07 --floor-share 0.5`",
@@ -445,7 +445,7 @@ DEV_POLICIES = {  # label in the files -> what the policy is (all compiled from 
 
 
 def dev_compiler(root: Path) -> str:
-    calibrated = {i for f in CALIBRATION_FILES for i in load_json(root, f)["item_ids"]}
+    calibrated = {i for f in ITEM_HASH_CALIBRATIONS for i in load_json(root, f)["item_ids"]}
     rows, totals, sizes = [], {}, set()
     for budget, file in DEV_FILES.items():
         result = load_json(root, file)
@@ -700,11 +700,12 @@ def long_prompts(root: Path, file: str, tuning: Tuning = SHORT_TUNING) -> str:
 
 # ---- calibration ----------------------------------------------------------------------------------------------------
 
-CALIBRATION_FILES = (
+ITEM_HASH_CALIBRATIONS = (  # calibrated on the item-hash split's calibration part (sections 2-5 use them)
     "results/calibration_qwen2.5-coder-0.5b_8items.json",
     "results/calibration_qwen2.5-coder-0.5b_own16.json",
     "results/calibration_qwen2.5-coder-0.5b_own31.json",
 )
+SCHEMA_CALIBRATIONS = ("results/calibration_qwen2.5-coder-0.5b_schema36.json",)  # the schema split's part
 POLICY_ROOTS = ("pask_jax/policies", "policies")
 
 
@@ -721,7 +722,7 @@ def _policies_from(root: Path, stats_file: str) -> list[str]:
 
 def calibration_stats(root: Path) -> str:
     rows = []
-    for file in CALIBRATION_FILES:
+    for file in ITEM_HASH_CALIBRATIONS + SCHEMA_CALIBRATIONS:
         stats = load_json(root, file)
         n = stats["n_items"]
         rows.append(
@@ -756,7 +757,7 @@ def calibration_own16_task_error(root: Path) -> str:
     """Task-error increase with the bucket removed (keep level 0), per role present and layer group."""
     from pask_jax.structure.roles import role_names
 
-    stats = load_json(root, SHIPPED_STATS)
+    stats = load_json(root, OWN16_STATS)
     names = role_names()
     rows = [
         [names[r], *(f"{g[0]:.2f}" for g in stats["task_error"][r]), f"{stats['entries'][r][0]:.1f}"]

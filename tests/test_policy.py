@@ -34,8 +34,9 @@ from pask_jax.structure.roles import Role, num_roles
 REPO = Path(__file__).parents[1]
 R, G = num_roles(), 2
 SHIPPED = SHIPPED_POLICIES / "qwen2.5-coder-0.5b"
-SHIPPED_STATS = REPO / "results" / "calibration_qwen2.5-coder-0.5b_own16.json"  # what the shipped tables came from
-SHIPPED_HASH = "f6b37ea99aa9d004"  # the shipped policy's content hash, as published results name it
+SHIPPED_STATS = REPO / "results" / "calibration_qwen2.5-coder-0.5b_schema36.json"  # what the shipped tables came from
+SHIPPED_HASH = "b2bbfa9da9e3fa48"  # the shipped policy's content hash, as published results name it
+OWN16_STATS = REPO / "results" / "calibration_qwen2.5-coder-0.5b_own16.json"  # item-hash split, 16 items
 
 
 def synthetic_calibration() -> CalibrationStats:
@@ -296,7 +297,9 @@ def test_shipped_policy_loads_and_obeys_its_budgets():
     assert policy.groups == 4 and policy.calibration_items and policy.fits.num_layers == 24
     from pask_jax.bfcl import is_calibration
 
-    assert all(is_calibration(i, "item-hash") for i in policy.calibration_items)  # the split it was fitted under
+    assert len(policy.calibration_items) >= 32
+    assert all(is_calibration(i, "schema") for i in policy.calibration_items)  # the split it was fitted under
+    assert PersistencePolicy.load(REPO / "policies" / "qwen2.5-coder-0.5b-schema36").content_hash() == SHIPPED_HASH
     for table in policy.tables:
         table.validate(R, policy.groups)
         assert table.group_fractions.mean() <= table.budget + 1e-6  # equal groups: 6 layers each
@@ -304,15 +307,25 @@ def test_shipped_policy_loads_and_obeys_its_budgets():
         assert np.isclose(method.layer_fractions(24, table.budget).mean(), table.group_fractions.mean())
 
 
-@pytest.mark.parametrize("ablation", ["none", "no_floors", "no_distortion", "one_role", "one_group"])
-def test_shipped_policies_recompile_from_their_statistics(ablation: str):
-    """The README's recompile command gives the committed tables: a compiler change that would alter the shipped
-    policy (and so the published PASK numbers) must come with a recompiled policy."""
+@pytest.mark.parametrize(
+    ("stats_file", "policy_dir", "ablation"),
+    [
+        (SHIPPED_STATS, SHIPPED, "none"),
+        (OWN16_STATS, REPO / "policies" / "qwen2.5-coder-0.5b-own16", "none"),
+        *[
+            (OWN16_STATS, REPO / "policies" / "qwen2.5-coder-0.5b-ablations" / a, a)
+            for a in ("no_floors", "no_distortion", "one_role", "one_group")
+        ],
+    ],
+    ids=["shipped", "own16", "no_floors", "no_distortion", "one_role", "one_group"],
+)
+def test_committed_policies_recompile_from_their_statistics(stats_file: Path, policy_dir: Path, ablation: str):
+    """The recompile commands of RESULTS.md give the committed tables: a compiler change that would alter a policy
+    (and so the published PASK numbers) must come with a recompiled policy."""
     from pask_jax.calibration.run import CalibrationStats
 
-    stats = CalibrationStats.load(REPO / "results" / "calibration_qwen2.5-coder-0.5b_own16.json")
-    name = "qwen2.5-coder-0.5b" if ablation == "none" else f"qwen2.5-coder-0.5b-ablations/{ablation}"
-    shipped = PersistencePolicy.load((SHIPPED_POLICIES if ablation == "none" else REPO / "policies") / name)
+    stats = CalibrationStats.load(stats_file)
+    shipped = PersistencePolicy.load(policy_dir)
     budgets = [t.budget for t in shipped.tables]
     assert budgets == [0.2, 0.33, 0.5]
     recompiled = compile_policy(stats, budgets, ablation=ablation)
