@@ -622,8 +622,8 @@ def schema_eval(root: Path, file: str = SCHEMA_EVAL) -> str:
         pask, base = (_eval_row(result, spec, budget, positive, columns) for spec in (chosen["pask"], best))
         parts.append(f"at b = {budget:g} PASK {pask[-2]}, best tuned baseline {best} {base[-2]}")
     claim = (
-        f"On the frozen evaluation sample as scored so far ({items} items of the schema split's evaluation part), "
-        "full KV scores "
+        f"{result['model']}, on the frozen evaluation sample as scored so far ({items} items of the schema split's "
+        "evaluation part): full KV scores "
         f"{rows[0][-2]} on the {len(positive)} categories where it scores above 0 and every method ran "
         f"({', '.join(positive)}); "
         + "; ".join(parts)
@@ -705,7 +705,10 @@ ITEM_HASH_CALIBRATIONS = (  # calibrated on the item-hash split's calibration pa
     "results/calibration_qwen2.5-coder-0.5b_own16.json",
     "results/calibration_qwen2.5-coder-0.5b_own31.json",
 )
-SCHEMA_CALIBRATIONS = ("results/calibration_qwen2.5-coder-0.5b_schema36.json",)  # the schema split's part
+SCHEMA_CALIBRATIONS = (  # the schema split's calibration part
+    "results/calibration_qwen2.5-coder-0.5b_schema36.json",
+    "results/calibration_qwen2.5-coder-1.5b_schema12.json",
+)
 POLICY_ROOTS = ("pask_jax/policies", "policies")
 
 

@@ -158,6 +158,13 @@ def test_ablation_switches():
 FITS = ModelFingerprint("qwen3", 4, 4, 2, 16, 64, vocab_hash="0123456789abcdef")
 
 
+def test_statistics_of_another_layer_count_are_refused():
+    stats = synthetic_stats(num_layers=6, groups=2)  # FITS has 4 layers
+    with pytest.raises(ValueError, match=r"calibrated on .* \(6 layers\); the model has 4"):
+        compile_policy(stats, [0.33], fits=FITS)
+    assert compile_policy(synthetic_stats(num_layers=4, groups=2), [0.33], fits=FITS).fits == FITS
+
+
 def test_save_load_and_mismatches(tmp_path: Path):
     policy = compile_policy(synthetic_calibration(), [0.2, 0.33], fits=FITS)
     policy.save(tmp_path / "p")
@@ -195,7 +202,7 @@ def test_policy_answers_any_budget_from_its_statistics(tmp_path: Path):
     """A budget the policy was not compiled for is compiled on load from the statistics it carries, with its compile
     options: the same table a policy compiled for that budget holds."""
     stats = CalibrationStats.load(SHIPPED_STATS)
-    compile_policy(stats, [0.2, 0.5], fits=FITS).save(tmp_path / "p")
+    compile_policy(stats, [0.2, 0.5], fits=dataclasses.replace(FITS, num_layers=24)).save(tmp_path / "p")
     assert json.loads((tmp_path / "p" / "stats.json").read_text())["item_ids"] == stats.item_ids
     loaded = PersistencePolicy.load(tmp_path / "p")
     at_033 = loaded.table(0.33)
@@ -290,21 +297,27 @@ def test_floors_respected_online():
                 assert kept >= np.ceil(table.floor[role, g] * n) - 1e-9, (g, role, kept, n)
 
 
-def test_shipped_policy_loads_and_obeys_its_budgets():
-    path = SHIPPED_POLICIES / "qwen2.5-coder-0.5b"
-    policy = PersistencePolicy.load(path)
-    assert (policy.fits.architecture, policy.fits.num_layers, policy.fits.num_kv_heads) == ("qwen2", 24, 2)
-    assert policy.groups == 4 and policy.calibration_items and policy.fits.num_layers == 24
+@pytest.mark.parametrize(
+    ("name", "layers", "hidden", "min_items"),
+    [("qwen2.5-coder-0.5b", 24, 896, 32), ("qwen2.5-coder-1.5b", 28, 1536, 12)],
+)
+def test_shipped_policies_load_and_obey_their_budgets(name: str, layers: int, hidden: int, min_items: int):
     from pask_jax.bfcl import is_calibration
 
-    assert len(policy.calibration_items) >= 32
+    policy = PersistencePolicy.load(SHIPPED_POLICIES / name)
+    assert (policy.fits.architecture, policy.fits.num_layers, policy.fits.hidden_size) == ("qwen2", layers, hidden)
+    assert policy.groups == 4 and len(policy.calibration_items) >= min_items
     assert all(is_calibration(i, "schema") for i in policy.calibration_items)  # the split it was fitted under
-    assert PersistencePolicy.load(REPO / "policies" / "qwen2.5-coder-0.5b-schema36").content_hash() == SHIPPED_HASH
     for table in policy.tables:
         table.validate(R, policy.groups)
-        assert table.group_fractions.mean() <= table.budget + 1e-6  # equal groups: 6 layers each
+        assert table.group_fractions.mean() <= table.budget + 1e-6  # equal groups (layers divisible by 4)
         method = PaskKV.from_policy(policy, table.budget)
-        assert np.isclose(method.layer_fractions(24, table.budget).mean(), table.group_fractions.mean())
+        assert np.isclose(method.layer_fractions(layers, table.budget).mean(), table.group_fractions.mean())
+
+
+def test_shipped_policy_is_section_1s():
+    """RESULTS.md scores `policies/qwen2.5-coder-0.5b-schema36`; the package ships the same tables."""
+    assert PersistencePolicy.load(REPO / "policies" / "qwen2.5-coder-0.5b-schema36").content_hash() == SHIPPED_HASH
 
 
 @pytest.mark.parametrize(

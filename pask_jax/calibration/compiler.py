@@ -28,7 +28,13 @@ def compile_policy(
 ) -> PersistencePolicy:
     """A policy over several budgets, carrying the calibration's model, layer count, groups and item ids, the
     statistics and compile options (so it answers any other budget too), and the fingerprint of the model it fits
-    (`fits`: without one, the policy cannot be used with a model)."""
+    (`fits`: without one, the policy cannot be used with a model). Statistics of a model with another layer count
+    are refused: their layer groups are not that model's."""
+    if fits is not None and fits.num_layers != stats.num_layers:
+        raise ValueError(
+            f"the statistics were calibrated on {stats.model} ({stats.num_layers} layers); the model has "
+            f"{fits.num_layers}: calibrate this model (`pask-jax calibrate --model ...`)"
+        )
     options = CompileOptions(tolerance=tolerance, floor_share=floor_share, ablation=ablation)
     return PersistencePolicy(
         model=stats.model,
