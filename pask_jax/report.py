@@ -477,6 +477,7 @@ def dev_compiler(root: Path) -> str:
 
 DEV_TUNING = "results/dev_tuning/dev_b033.json"
 SCHEMA_EVAL = "results/bfcl_schema_eval.json"
+SCHEMA_EVAL_1_5B = "results/bfcl_schema_eval_qwen2.5-coder-1.5b.json"  # section 1's frozen methods, 1.5B
 TUNING_BUDGET = 0.33
 
 
@@ -1170,6 +1171,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     ),
     "schema_eval": schema_eval,
     "schema_paired": schema_paired,
+    "schema_eval_1_5b": functools.partial(schema_eval, file=SCHEMA_EVAL_1_5B),
+    "schema_paired_1_5b": functools.partial(schema_paired, file=SCHEMA_EVAL_1_5B),
     "long_prompts_2k_question_last": functools.partial(long_prompts, file="results/bfcl_long2k_question_last.json"),
     "long_prompts_2k_question_first": functools.partial(long_prompts, file="results/bfcl_long2k_question_first.json"),
     **{
