@@ -305,7 +305,8 @@ def test_shipped_policies_load_and_obey_their_budgets(name: str, layers: int, hi
     from pask_jax.bfcl import is_calibration
 
     policy = PersistencePolicy.load(SHIPPED_POLICIES / name)
-    assert (policy.fits.architecture, policy.fits.num_layers, policy.fits.hidden_size) == ("qwen2", layers, hidden)
+    fits = policy.fits
+    assert (fits.architecture, fits.num_layers, fits.num_kv_heads, fits.hidden_size) == ("qwen2", layers, 2, hidden)
     assert policy.groups == 4 and len(policy.calibration_items) >= min_items
     assert all(is_calibration(i, "schema") for i in policy.calibration_items)  # the split it was fitted under
     for table in policy.tables:
@@ -324,13 +325,18 @@ def test_shipped_policy_is_section_1s():
     ("stats_file", "policy_dir", "ablation"),
     [
         (SHIPPED_STATS, SHIPPED, "none"),
+        (
+            REPO / "results" / "calibration_qwen2.5-coder-1.5b_schema12.json",
+            SHIPPED_POLICIES / "qwen2.5-coder-1.5b",
+            "none",
+        ),
         (OWN16_STATS, REPO / "policies" / "qwen2.5-coder-0.5b-own16", "none"),
         *[
             (OWN16_STATS, REPO / "policies" / "qwen2.5-coder-0.5b-ablations" / a, a)
             for a in ("no_floors", "no_distortion", "one_role", "one_group")
         ],
     ],
-    ids=["shipped", "own16", "no_floors", "no_distortion", "one_role", "one_group"],
+    ids=["shipped", "shipped_1_5b", "own16", "no_floors", "no_distortion", "one_role", "one_group"],
 )
 def test_committed_policies_recompile_from_their_statistics(stats_file: Path, policy_dir: Path, ablation: str):
     """The recompile commands of RESULTS.md give the committed tables: a compiler change that would alter a policy
