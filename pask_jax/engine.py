@@ -525,10 +525,13 @@ class Engine:
 
     def lower(self, shape: BatchShape, sampling: SamplingConfig = SamplingConfig()) -> LoweredSteps:
         """Lower the jitted prefill and decode step for `shape`, with the abstract arguments `generate` gives them."""
+        return LoweredSteps(prefill=self.lower_prefill(shape), decode=self.lower_decode(shape, sampling))
+
+    def lower_decode(self, shape: BatchShape, sampling: SamplingConfig = SamplingConfig()) -> jax.stages.Lowered:
+        """Lower the jitted decode step for `shape`, with the abstract arguments `generate` gives it."""
         b = shape.padded_rows
         params = self._abstract_params()
         rows = self._abstract_rows((b,))  # token ids, lengths, positions, roles: i32[B]
-        prefill = self.lower_prefill(shape)
         caches = jax.eval_shape(lambda: self.plan.empty_caches(b, shape.capacities))
         if self.mesh is not None:  # the layout the prefill hands them over in
             caches = [
@@ -541,10 +544,9 @@ class Engine:
             ]
         bits = self._abstract_rows((b, mask_words(self.cfg.vocab_size)))
         key = jax.eval_shape(lambda: jax.random.key(sampling.seed))
-        decode = _decode.lower(
+        return _decode.lower(
             self.plan, params, caches, rows, rows, rows, rows, bits, key, sampling.temperature, sampling.top_p
         )
-        return LoweredSteps(prefill=prefill, decode=decode)
 
     def precompile(self, shape: BatchShape, sampling: SamplingConfig = SamplingConfig()) -> None:
         """Compile what `generate` runs for a batch of `shape` before it is needed: the prefill and the decode step

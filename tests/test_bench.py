@@ -385,3 +385,24 @@ def test_entrypoints_bench_runs_both_paths_on_the_same_items(tiny_qwen_vocab, qw
         assert result[f"{side}_tokens_per_s"] == timed["tokens"] / timed["wall_s"]
     assert result["run_over_bfcl"] == result["run_tokens_per_s"] / result["bfcl_tokens_per_s"]
     assert "round 1:" in capsys.readouterr().out
+
+
+def test_compile_bench_times_each_step_and_warm_compiles_load_from_the_cache(tmp_path):
+    """In its own process (the persistent XLA cache is process-wide state): every step is timed, and the warm pass
+    takes both executables of every (method, length) from the fresh cache the cold pass filled."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "compile.json"
+    args = ["--model", "tiny", "--methods", "full,h2o", "--prompt-tokens", "64,128", "--out", str(out)]
+    subprocess.run([sys.executable, "-m", "pask_jax.bench", "compile", *args], check=True, capture_output=True)
+    result = json.loads(out.read_text())
+    assert [(r["method"], r["prompt_tokens"]) for r in result["steps"]] == [
+        ("full", 64), ("h2o", 64), ("full", 128), ("h2o", 128)
+    ]  # fmt: skip
+    for row in result["steps"]:
+        assert row["cold"]["cache_hits"] == 0 and row["warm"]["cache_hits"] == 2, row
+        assert row["cold"]["shape"]["prompt_bucket"] == row["prompt_tokens"]
+        for step in ("prefill", "decode"):
+            assert row["cold"][step]["compile_s"] > 0 and row["warm"][step]["lower_s"] >= 0
+    assert "first_answer" not in result  # the tiny model has no tokenizer

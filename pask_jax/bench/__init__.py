@@ -4,6 +4,7 @@
 - `decode`: prefill and decode throughput of the engine vs transformers' `generate` (needs torch, transformers).
 - `kernel`: decode-step attention time vs KV capacity (XLA reference, compacted pool, Pallas kernels).
 - `cache`: KV-cache bytes vs budget for a model preset, from shapes alone.
+- `compile`: lowering and compile seconds per step executable, cold and warm XLA cache; time to the first answer.
 - `entrypoints`: `pask-jax run` against `pask-jax bfcl` on the same BFCL items (tokens/s, same calls).
 
 `pask-jax bench BENCHMARK --help` lists a benchmark's own arguments.
@@ -19,6 +20,7 @@ BENCHMARKS = {
     "decode": "prefill / decode throughput vs transformers' generate",
     "kernel": "decode-step attention time vs KV capacity",
     "cache": "KV-cache bytes vs budget, from shapes alone",
+    "compile": "compile seconds per step executable, cold and warm XLA cache; time to first answer",
     "entrypoints": "`run` vs `bfcl` tokens/s on the same items",
 }
 USAGE = (
