@@ -152,12 +152,14 @@ class BatchSummary:
     kept_ratios: list[float] = dataclasses.field(default_factory=list)
 
     def line(self) -> str:
+        if self.requests == 0:
+            return "0 requests: nothing to answer"
         rate = self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
-        kept = sum(self.kept_ratios) / len(self.kept_ratios) if self.kept_ratios else float("nan")
+        kept = f"{sum(self.kept_ratios) / len(self.kept_ratios):.3f}" if self.kept_ratios else "-"  # "-": none ran
         return (
             f"{self.requests} requests: {self.completed} completed, {self.failed + self.failed_before} failed, "
             f"{self.skipped} already answered; {self.output_tokens} output tokens at {rate:.2f} tokens/s; "
-            f"kept/full KV {kept:.3f}"
+            f"kept/full KV {kept}"
         )
 
 

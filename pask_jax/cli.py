@@ -6,8 +6,10 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
+from typing import NoReturn
 
-from pask_jax.bfcl import SPLIT_RULE, SPLIT_RULES, SPLITS
+from pask_jax.bfcl import CATEGORIES, SPLIT_RULE, SPLIT_RULES, SPLITS
 from pask_jax.models.fetch import MODELS, FetchError, fetch_model
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -26,6 +28,256 @@ def _method_spec(spec: str) -> str:
     return spec
 
 
+# ---- the front door: every argument a subcommand can check without a model, checked before any expensive work ----
+# Value checks are argparse `type=` functions (`argument --budget: ...`); paths are checked by `check_args` once
+# the command line is parsed. Either way the error is one line on stderr, `pask-jax CMD: error: ...`, exit status 2.
+# Output paths: a missing parent directory is created when the output is written (`mkdir -p`, as batch tools do),
+# but only below an existing directory other than the filesystem root: `/missing-dir/out.jsonl` is refused (a new
+# top-level directory is almost always a typo), and so is a parent that is a file or cannot be written.
+
+POLICY_META = "policy.json"  # what makes a directory a policy (`pask_jax.policy.PersistencePolicy.load`)
+STATS_FILE = "stats.json"  # = pask_jax.policy.STATS_FILE (kept here: the front door imports no JAX)
+
+
+class UsageError(ValueError):
+    """A command line that cannot run: the message names the argument and what is wrong with it."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with each error on one line, `pask-jax CMD: error: MESSAGE`, exit status 2 (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _number(text: str, kind=float):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+
+
+def _budget(text: str) -> float:
+    """A KV budget in (0, 1]."""
+    value = _number(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"budget {text} must be in (0, 1] (full KV: 1)")
+    return value
+
+
+def _budget_list(text: str) -> str:
+    """Comma-separated budgets, each in (0, 1]; returned as given (the commands split it, and calibrate records it)."""
+    for item in text.split(","):
+        if not item.strip():
+            raise argparse.ArgumentTypeError(f"{text!r}: an empty entry in the comma-separated budgets")
+        if not 0.0 < _number(item.strip()) <= 1.0:
+            raise argparse.ArgumentTypeError(f"{text}: every budget must be in (0, 1], not {item.strip()}")
+    return text
+
+
+def _levels(text: str) -> str:
+    """Calibration keep levels: comma-separated fractions in [0, 1], 0 among them; returned as given."""
+    values = [_number(item.strip()) for item in text.split(",")]
+    if not all(0.0 <= v <= 1.0 for v in values) or 0.0 not in values:
+        raise argparse.ArgumentTypeError(f"{text!r}: every level must be in [0, 1], and 0 among them")
+    return text
+
+
+def _int_list(text: str) -> str:
+    """Comma-separated positive integers (prompt lengths); returned as given."""
+    for item in text.split(","):
+        if _number(item.strip(), int) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: every entry must be a positive integer")
+    return text
+
+
+def _int_at_least(low: int):
+    def check(text: str) -> int:
+        value = _number(text, int)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} must be >= {low}")
+        return value
+
+    return check
+
+
+def _positive(text: str) -> float:
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
+
+
+def _float_in(low: float, high: float | None = None, *, open_high: bool = False):
+    """A number in [low, high] ([low, high) with `open_high`; >= low without `high`)."""
+
+    def check(text: str) -> float:
+        value = _number(text)
+        if value < low or (high is not None and (value >= high if open_high else value > high)):
+            bound = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}{')' if open_high else ']'}"
+            raise argparse.ArgumentTypeError(f"{text} must be {bound}")
+        return value
+
+    return check
+
+
+def _input_file(path: str, flag: str) -> None:
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{flag} {path}: no such file")
+    if not p.is_file():
+        raise UsageError(f"{flag} {path}: {'a directory' if p.is_dir() else 'not a regular file'}, not an input file")
+    if not os.access(p, os.R_OK):
+        raise UsageError(f"{flag} {path}: not readable")
+
+
+def _creatable(path: str, flag: str) -> None:
+    """`path` does not exist: refuse it unless its missing parents can be made (see above)."""
+    absolute = Path(os.path.abspath(path))
+    ancestor, missing = absolute.parent, []
+    while not ancestor.exists():
+        missing.append(ancestor)
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UsageError(f"{flag} {path}: {ancestor} is a file, not a directory")
+    if missing and ancestor == Path(ancestor.anchor):
+        raise UsageError(
+            f"{flag} {path}: directory {missing[-1]} does not exist (a typo?); missing directories are made only "
+            f"below an existing one other than {ancestor}: create it first if it is meant"
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot create it: {ancestor} is not writable")
+
+
+def _output_file(path: str, flag: str) -> None:
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag} {path}: a directory; give the path of a file")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise UsageError(f"{flag} {path}: not writable")
+    else:
+        _creatable(path, flag)
+
+
+def _output_dir(path: str, flag: str) -> None:
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            raise UsageError(f"{flag} {path}: a file; give the path of a directory")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {path}: not writable")
+    else:
+        _creatable(path, flag)
+
+
+def _policy_dir(path: str, flag: str, alternatives: str = "") -> None:
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(
+            f"{flag}: no such policy directory {path} (give a directory from `pask-jax calibrate`{alternatives})"
+        )
+    if not p.is_dir():
+        raise UsageError(f"{flag}: {path} is a file; a policy is a directory from `pask-jax calibrate`{alternatives}")
+    if not (p / POLICY_META).is_file():
+        raise UsageError(f"{flag}: {path} holds no policy (no {POLICY_META}); create one with `pask-jax calibrate`")
+
+
+def _method_specs(text: str, flag: str) -> None:
+    specs = [s.strip() for s in text.split(",")]
+    if not all(specs):
+        raise UsageError(f"{flag} {text!r}: an empty entry in the comma-separated list")
+    for spec in specs:
+        try:
+            _method_spec(spec)
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"{flag}: {e}") from None
+
+
+def _check_run(args: argparse.Namespace) -> None:
+    _input_file(args.input, "-i/--input")
+    _output_file(args.output, "-o/--output")
+    if Path(args.output).resolve() == Path(args.input).resolve():
+        raise UsageError(f"-o/--output {args.output}: the output file must not be the input file")
+    if args.policy not in ("auto", "none"):  # checked for every method: a mistyped path is a mistake either way
+        _policy_dir(args.policy, "--policy", ", or auto or none")
+    if args.method_config:
+        _input_file(args.method_config, "--method-config")
+
+
+def _check_compare(args: argparse.Namespace) -> None:
+    _input_file(args.input, "input")
+    for output in args.outputs:
+        _input_file(output, "output")
+
+
+def _check_bfcl(args: argparse.Namespace) -> None:
+    _method_specs(args.methods, "--methods")
+    if args.categories != "all":
+        unknown = [c for c in args.categories.split(",") if c not in CATEGORIES]
+        if unknown:
+            raise UsageError(f"--categories: unknown {', '.join(map(repr, unknown))}; known: {', '.join(CATEGORIES)}")
+    for entry in args.policy or []:
+        _policy_dir(entry.rpartition("=")[2], f"--policy {entry}")
+    if args.method_config:
+        _input_file(args.method_config, "--method-config")
+    if args.out:
+        _output_file(args.out, "--out")
+
+
+def _check_calibrate(args: argparse.Namespace) -> None:
+    if args.data and args.stats:
+        raise UsageError("--data calibrates, --stats compiles earlier statistics: give one of them")
+    if args.data and (args.per_category is not None or args.split_rule is not None or args.target == "canonical"):
+        raise UsageError(
+            "--per-category, --split-rule and --target canonical are for BFCL calibration; --data calibrates on "
+            "your requests against the model's own answers"
+        )
+    if args.dev_fraction is not None and not args.data:
+        raise UsageError("--dev-fraction splits --data; BFCL has its own split (--split-rule)")
+    if args.data:
+        _input_file(args.data, "--data")
+    if args.stats:
+        stats = Path(args.stats)
+        if stats.is_dir():
+            if not (stats / STATS_FILE).is_file():
+                raise UsageError(
+                    f"--stats {args.stats}: the directory holds no {STATS_FILE} (give a statistics file, or a policy "
+                    "directory calibrated with statistics)"
+                )
+        else:
+            _input_file(args.stats, "--stats")
+    _output_dir(args.out, "--out")
+    if args.checkpoint:
+        _output_dir(args.checkpoint, "--checkpoint")
+
+
+def _check_niah(args: argparse.Namespace) -> None:
+    for entry in args.policy or []:
+        label, _, path = entry.rpartition("=")
+        if path and label != "pask":  # a malformed entry: niah.parse_policies names the form, before any loading
+            _policy_dir(path, f"--policy {entry}")
+    if args.method_config:
+        _input_file(args.method_config, "--method-config")
+    _output_file(args.out, "--out")
+
+
+FRONT_DOORS = {
+    "run": _check_run,
+    "compare": _check_compare,
+    "bfcl": _check_bfcl,
+    "calibrate": _check_calibrate,
+    "niah": _check_niah,
+}  # bench passes its flags through to each benchmark's own parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The front door: UsageError for an argument a subcommand cannot run with, before anything loads."""
+    check = FRONT_DOORS.get(args.command)
+    if check is not None:
+        check(args)
+
+
 def _llm_options(args: argparse.Namespace) -> dict:
     """LLM's method, budget, policy and hyper-parameters; a labelled variant takes its method config section."""
     from pask_jax.evaluate import resolve_spec
@@ -33,10 +285,8 @@ def _llm_options(args: argparse.Namespace) -> dict:
 
     method, overrides = args.method.partition(":")[0], None
     if ":" in args.method or args.method_config:
-        try:
-            _, overrides, _ = resolve_spec(args.method, load_method_config(args.method_config), {})
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+        # a ValueError (an unknown label, a bad config file): main reports it, `pask-jax run: error: ...`, status 2
+        _, overrides, _ = resolve_spec(args.method, load_method_config(args.method_config), {})
     policy = None if args.policy in (None, "none") else args.policy
     return dict(
         method=method, budget=args.budget, policy=policy if method == "pask" else None, method_overrides=overrides
@@ -88,11 +338,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 def cmd_bfcl(args: argparse.Namespace) -> None:
     """Grammar-constrained BFCL evaluation; prints a table and writes the full JSON."""
-    from pathlib import Path
-
     from pask_jax import load_model, load_tokenizer
-    from pask_jax.bfcl import CATEGORIES
-    from pask_jax.evaluate import EvalConfig, format_table, run_bfcl
+    from pask_jax.evaluate import EvalConfig, format_table, resolve_spec, run_bfcl
 
     categories = CATEGORIES if args.categories == "all" else tuple(args.categories.split(","))
     cfg = EvalConfig(
@@ -118,6 +365,8 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
     for entry in args.policy or []:
         label, _, path = entry.rpartition("=")
         policies[label or "pask"] = PersistencePolicy.load(path)
+    for spec in cfg.methods:  # an unknown NAME:LABEL: before the model loads
+        resolve_spec(spec, method_config, policies)
     if "pask" in cfg.methods and "pask" not in policies:
         print("note: --methods pask without --policy runs PASK uncalibrated (recency + sinks)", file=sys.stderr)
     model = load_model(args.model)
@@ -146,8 +395,6 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     """Calibration statistics (on a user's requests `--data`, the BFCL calibration split, or `--stats` from an earlier
     run) -> a compiled policy carrying them (`stats.json`), so it answers any budget; for `--data`, the dev part's
     requests beside it (`dev.jsonl`, `split.json`)."""
-    from pathlib import Path
-
     import jax
 
     from pask_jax.calibration.compiler import compile_policy
@@ -170,18 +417,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from pask_jax.models.sharding import init_distributed
     from pask_jax.policy import STATS_FILE
 
-    if args.data and args.stats:
-        raise ValueError("--data calibrates, --stats compiles earlier statistics: give one of them")
-    if args.data and (args.per_category is not None or args.split_rule is not None or args.target == "canonical"):
-        raise ValueError(
-            "--per-category, --split-rule and --target canonical are for BFCL calibration; --data calibrates on "
-            "your requests against the model's own answers"
-        )
-    if args.dev_fraction is not None and not args.data:
-        raise ValueError("--dev-fraction splits --data; BFCL has its own split (--split-rule)")
-    budgets = [float(b) for b in args.budgets.split(",")]
-    if not all(0.0 < b <= 1.0 for b in budgets):
-        raise ValueError(f"--budgets {args.budgets}: every budget must be in (0, 1]")
+    budgets = [float(b) for b in args.budgets.split(",")]  # flags checked by the front door (`_check_calibrate`)
     fraction = DEFAULT_DEV_FRACTION if args.dev_fraction is None else args.dev_fraction
     split = split_requests(read_requests(args.data), fraction) if args.data else None  # bad lines: before any loading
     init_distributed()  # multi-host pods: env-driven, a no-op on one machine
@@ -247,8 +483,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_niah(args: argparse.Namespace) -> None:
     """Needle-in-a-haystack retrieval per (method, budget, length, depth, haystack, mode): a table and a resumable
     results JSON (`scripts/plot_niah.py` draws it)."""
-    from pathlib import Path
-
     from pask_jax import niah
 
     policy_paths = niah.parse_policies(args.policy or [])
@@ -319,7 +553,7 @@ def enable_compile_cache() -> None:
 def main(argv: list[str] | None = None) -> None:
     from pask_jax.calibration.compiler import ABLATIONS
 
-    parser = argparse.ArgumentParser(prog="pask-jax", description=__doc__)
+    parser = _Parser(prog="pask-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("fetch-model", help="download, verify and assemble a registered checkpoint")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(MODELS))
@@ -336,13 +570,17 @@ def main(argv: list[str] | None = None) -> None:
         "(e.g. pask:dapq_tier_request, the long-prompt dev choice)",
     )
     p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
-    p.add_argument("--budget", type=float, default=0.33, help="total KV budget in (0, 1] (full KV: 1)")
+    p.add_argument("--budget", type=_budget, default=0.33, help="total KV budget in (0, 1] (full KV: 1)")
     p.add_argument(
         "--policy", default="auto", help="PASK policy: auto (the shipped one that fits the model), a directory, none"
     )
-    p.add_argument("--max-batch", type=int, default=8, help="cache rows (continuous) or rows per micro-batch (static)")
     p.add_argument(
-        "--kv-memory-mb", type=float, help="KV-cache memory: it sets the row count (a smaller cache gets more rows)"
+        "--max-batch", type=_int_at_least(1), default=8, help="cache rows (continuous) or rows per micro-batch (static)"
+    )
+    p.add_argument(
+        "--kv-memory-mb",
+        type=_positive,
+        help="KV-cache memory: it sets the row count (a smaller cache gets more rows)",
     )
     p.add_argument(
         "--scheduler",
@@ -352,7 +590,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--prefill-rows",
-        type=int,
+        type=_int_at_least(1),
         help="continuous: rows prefilled together at most (default: all admitted; 1 wastes no padding on CPU)",
     )
     p.add_argument(
@@ -375,10 +613,10 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated: full,random,streamingllm,h2o,snapkv,pyramidkv,dapq,pask; pask:LABEL = PASK under "
         "the policy given as --policy LABEL=PATH",
     )
-    p.add_argument("--budget", default="1.0", help="total KV budget(s) in (0, 1], comma-separated")
+    p.add_argument("--budget", default="1.0", type=_budget_list, help="total KV budget(s) in (0, 1], comma-separated")
     p.add_argument("--categories", default="all", help="'all' or comma-separated BFCL categories")
-    p.add_argument("--offset", type=int, default=0, help="first item of each category (of the split)")
-    p.add_argument("--limit", type=int, default=25, help="items per category")
+    p.add_argument("--offset", type=_int_at_least(0), default=0, help="first item of each category (of the split)")
+    p.add_argument("--limit", type=_int_at_least(1), default=25, help="items per category")
     p.add_argument(
         "--split",
         default="evaluation",
@@ -392,12 +630,12 @@ def main(argv: list[str] | None = None) -> None:
         help="schema: parts share no tool set or live group (default); item-hash: the earlier per-item split, to "
         "reproduce results scored under it",
     )
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=_int_at_least(1), default=8)
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=256)
     p.add_argument("--framing", default="tool_call", choices=["tool_call", "json_fence"])
     p.add_argument(
         "--context",
-        type=int,
+        type=_int_at_least(0),
         default=0,
         help="> 0: long prompts of at most this many tokens, each item's tools among distractor tools, every tool "
         "in the grammar",
@@ -405,6 +643,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layout", default="question_last", choices=["question_last", "question_first"])
     p.add_argument(
         "--length-buckets",
+        type=_int_list,
         help="comma-separated prompt lengths prefill pads to (default: the engine's, 1.5x apart); fewer buckets, "
         "fewer compiles per method",
     )
@@ -427,24 +666,35 @@ def main(argv: list[str] | None = None) -> None:
         "into a calibration part and a dev part (written beside the policy as dev.jsonl)",
     )
     p.add_argument(
-        "--dev-fraction", type=float, help="(--data) share of the requests held out as the dev part (default 0.2)"
+        "--dev-fraction",
+        type=_float_in(0.0, 1.0, open_high=True),
+        help="(--data) share of the requests held out as the dev part (default 0.2)",
     )
-    p.add_argument("--budgets", default="0.2,0.33,0.5", help="budgets compiled into the policy (others on load)")
-    p.add_argument("--per-category", type=int, help="(BFCL) calibration items per category (default 8)")
+    p.add_argument(
+        "--budgets", default="0.2,0.33,0.5", type=_budget_list, help="budgets compiled into the policy (others on load)"
+    )
+    p.add_argument("--per-category", type=_int_at_least(1), help="(BFCL) calibration items per category (default 8)")
     p.add_argument("--split-rule", choices=SPLIT_RULES, help=f"(BFCL) which calibration part (default {SPLIT_RULE})")
-    p.add_argument("--groups", type=int, default=4, help="layer groups")
-    p.add_argument("--levels", help="comma-separated keep levels per bucket, 0 included (default: DEFAULT_LEVELS)")
+    p.add_argument("--groups", type=_int_at_least(1), default=4, help="layer groups")
+    p.add_argument(
+        "--levels", type=_levels, help="comma-separated keep levels per bucket, 0 included (default: DEFAULT_LEVELS)"
+    )
     p.add_argument(
         "--target",
         choices=("own", "canonical"),
         help="(BFCL) teacher-forced call: the model's own full-KV call (default; always for --data), or the rendered "
         "ground truth",
     )
-    p.add_argument("--tolerance", type=float, default=0.02, help="task-error increase a floor may allow")
+    p.add_argument("--tolerance", type=_float_in(0.0), default=0.02, help="task-error increase a floor may allow")
     p.add_argument("--checkpoint", help="orbax progress directory (rerun to resume)")
-    p.add_argument("--max-items", type=int, help="calibrate at most this many items now (rerun with --checkpoint)")
     p.add_argument(
-        "--floor-share", type=float, default=1.0, help="fraction of a layer group's share its floors may take"
+        "--max-items", type=_int_at_least(1), help="calibrate at most this many items now (rerun with --checkpoint)"
+    )
+    p.add_argument(
+        "--floor-share",
+        type=_float_in(0.0, 1.0),
+        default=1.0,
+        help="fraction of a layer group's share its floors may take",
     )
     p.add_argument("--stats", help="compile saved statistics (a stats.json, or a policy directory holding one) instead")
     p.add_argument("--ablation", default="none", choices=ABLATIONS, help="compile an ablated policy")
@@ -481,9 +731,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="a benchmark and its flags (`pask-jax bench serving --help`)")
     p.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
-    if args.command in ("run", "bfcl", "calibrate"):
-        enable_compile_cache()
     try:
+        check_args(args)  # the front door: bad paths and settings end here, before anything loads
+        if args.command in ("run", "bfcl", "calibrate"):
+            enable_compile_cache()
         status = args.func(args)
     except (FetchError, ValueError, ModuleNotFoundError) as e:
         parser.exit(2, f"pask-jax {args.command}: error: {e}\n")

@@ -86,6 +86,8 @@ def compare_outputs(input_path: str | Path, output_paths: list[str | Path]) -> d
 
 
 def format_comparison(result: dict, width: int = 100) -> str:
+    if not result["rows"]:
+        return "0 requests: the input holds no request lines, nothing to compare"
     out = []
     for row in result["rows"]:
         out.append(f"--- {row['custom_id']}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,72 @@ import pytest
 from pask_jax import cli
 from pask_jax.methods import METHODS
 
+REQUEST = {
+    "custom_id": "a",
+    "method": "POST",
+    "url": "/v1/chat/completions",
+    "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+}
+
+
+@pytest.fixture(autouse=True)
+def no_model(monkeypatch):
+    """Every way a command reaches a model (its path, config, tokenizer or weights) fails the test: bad command lines
+    must be refused before any of them, and these tests never load a model."""
+    import pask_jax
+    import pask_jax.evaluate
+    import pask_jax.llm
+    import pask_jax.niah  # noqa: F401  (imported so its bindings are replaced too)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was reached before the command line was checked")
+
+    names = ("LLM", "load_model", "load_tokenizer", "load_tokenizer_from_path", "load_config", "resolve_model_path")
+    for name, module in list(sys.modules.items()):
+        if name == "pask_jax" or name.startswith("pask_jax."):
+            for attr in names:
+                if attr in vars(module):
+                    monkeypatch.setattr(module, attr, refuse)
+    for attr in ("LLM", "load_model", "load_tokenizer", "resolve_model_path"):  # the package's lazy exports
+        monkeypatch.setattr(pask_jax, attr, refuse, raising=False)
+
+
+def usage_error(argv: list[str], capsys) -> str:
+    """The one stderr line of a refused command line (exit status 2)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith(f"pask-jax {argv[0]}: error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.fixture
+def requests_file(tmp_path: Path) -> Path:
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps(REQUEST) + "\n")
+    return path
+
+
+@pytest.fixture
+def policy_dir(tmp_path: Path) -> Path:
+    """A directory the front door takes for a policy (it checks for policy.json only; nothing loads it here)."""
+    path = tmp_path / "policy"
+    path.mkdir()
+    (path / "policy.json").write_text("{}")
+    return path
+
 
 def test_method_choices_are_the_registered_methods():
     assert sorted(cli.METHOD_NAMES) == sorted(METHODS)  # the CLI keeps its own copy to stay JAX-free
+
+
+def test_front_door_file_names_are_the_policy_modules():
+    from pask_jax.policy import STATS_FILE
+
+    assert cli.STATS_FILE == STATS_FILE and cli.POLICY_META == "policy.json"
 
 
 def test_help_and_fetch_model_load_no_jax():
@@ -49,10 +113,151 @@ def test_run_takes_a_labelled_variant_and_names_a_missing_one(tmp_path: Path, ca
     assert options["method_overrides"] == {"sinks": 1, "rank": "dapq_tier", "system_as_user": True}
     args.method = "snapkv"
     assert cli._llm_options(args)["method_overrides"] is None  # no variant, no config file: the method's defaults
-    with pytest.raises(
-        SystemExit, match="'pask:nope': a label must name .* the config's pask variants: pask:dapq_rank"
-    ):
-        cli.main(["run", "-i", "x", "-o", str(tmp_path / "o.jsonl"), "--method", "pask:nope", "--model", "no-such"])
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps(REQUEST) + "\n")
+    err = usage_error(["run", "-i", str(inp), "-o", str(tmp_path / "o.jsonl"), "--method", "pask:nope"], capsys)
+    assert re.search("'pask:nope': a label must name .* the config's pask variants: pask:dapq_rank", err)
+    err = usage_error(["run", "-i", "x", "-o", "y", "--method", "magic:w8"], capsys)
+    assert "argument --method: unknown method 'magic:w8'" in err
+
+
+# ---- the front door: each kind of bad input is one line naming the argument, exit status 2, before any model ----
+
+
+def test_run_refuses_bad_paths_and_settings_before_the_model(tmp_path: Path, requests_file: Path, capsys):
+    out = str(tmp_path / "out.jsonl")
+    run = ["run", "-i", str(requests_file), "-o", out]
+    cases = {
+        "-i/--input": ["run", "-i", str(tmp_path / "missing.jsonl"), "-o", out],
+        "a directory, not an input file": ["run", "-i", str(tmp_path), "-o", out],
+        "directory /pask-jax-no-such-root-dir does not exist": [
+            "run",
+            "-i",
+            str(requests_file),
+            "-o",
+            "/pask-jax-no-such-root-dir/out.jsonl",
+        ],
+        "-o/--output": ["run", "-i", str(requests_file), "-o", str(tmp_path)],
+        "must not be the input file": ["run", "-i", str(requests_file), "-o", str(requests_file)],
+        "--policy: no such policy directory": [*run, "--policy", str(tmp_path / "no-policy")],
+        "holds no policy (no policy.json)": [*run, "--policy", str(tmp_path)],
+        "argument --budget": [*run, "--budget", "1.5"],
+        "argument --budget: budget 0 must be in (0, 1]": [*run, "--budget", "0"],
+        "argument --max-batch": [*run, "--max-batch", "0"],
+        "argument --prefill-rows": [*run, "--prefill-rows", "-1"],
+        "argument --kv-memory-mb": [*run, "--kv-memory-mb", "0"],
+        "--method-config": [*run, "--method-config", str(tmp_path / "missing.toml")],
+    }
+    for named, argv in cases.items():
+        assert named in usage_error(argv, capsys), argv
+    assert not Path("/pask-jax-no-such-root-dir").exists() and not Path(out).exists()
+
+
+def test_run_refuses_a_missing_policy_for_every_method(tmp_path: Path, requests_file: Path, capsys):
+    for method in ("pask", "full"):  # ignored by full KV, but a mistyped path is a mistake all the same
+        argv = ["run", "-i", str(requests_file), "-o", str(tmp_path / "o.jsonl"), "--method", method]
+        assert str(tmp_path / "nope") in usage_error([*argv, "--policy", str(tmp_path / "nope")], capsys)
+
+
+def test_run_makes_missing_output_directories_below_an_existing_one(tmp_path: Path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    out = tmp_path / "new" / "deeper" / "out.jsonl"
+    with pytest.raises(SystemExit) as exit_info:  # an empty batch is no error: "0 requests", an empty output
+        cli.main(["run", "-i", str(empty), "-o", str(out), "--method", "full"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 0
+    assert "0 requests" in err and "nan" not in err.lower()
+    assert out.is_file() and out.read_text() == ""
+
+
+def test_run_refuses_an_output_under_a_file(tmp_path: Path, requests_file: Path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    err = usage_error(["run", "-i", str(requests_file), "-o", str(blocker / "out.jsonl")], capsys)
+    assert "-o/--output" in err and f"{blocker} is a file" in err
+
+
+def test_batch_summary_line_has_no_nan():
+    from pask_jax.batch import BatchSummary
+
+    assert BatchSummary().line() == "0 requests: nothing to answer"
+    line = BatchSummary(requests=2, skipped=2).line()  # a rerun with everything answered: nothing was measured
+    assert "nan" not in line and line.endswith("kept/full KV -")
+    assert BatchSummary(requests=1, completed=1, kept_ratios=[0.25]).line().endswith("kept/full KV 0.250")
+
+
+def test_compare_refuses_missing_files_and_says_so_for_an_empty_input(tmp_path: Path, requests_file: Path, capsys):
+    out = tmp_path / "out.jsonl"
+    out.write_text("")
+    assert "input" in usage_error(["compare", str(tmp_path / "missing.jsonl"), str(out)], capsys)
+    err = usage_error(["compare", str(requests_file), str(out), str(tmp_path / "missing-out.jsonl")], capsys)
+    assert "output" in err and "missing-out.jsonl: no such file" in err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["run", "-i", "x", "-o", "y", "--method", "magic:w8"])
-    assert exit_info.value.code == 2 and "unknown method 'magic:w8'" in capsys.readouterr().err
+        cli.main(["compare", str(empty), str(out)])
+    printed = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "0 requests" in printed and "nan" not in printed.lower()
+
+
+def test_calibrate_refuses_bad_paths_and_settings_before_the_model(tmp_path: Path, requests_file: Path, capsys):
+    out = str(tmp_path / "policy")
+    stats_dir = tmp_path / "stats-less"
+    stats_dir.mkdir()
+    cases = {
+        "--stats /pask-jax-missing.json: no such file": ["--stats", "/pask-jax-missing.json"],
+        f"--stats {stats_dir}: the directory holds no stats.json": ["--stats", str(stats_dir)],
+        "--data": ["--data", str(tmp_path / "missing.jsonl")],
+        "give one of them": ["--data", str(requests_file), "--stats", str(stats_dir)],
+        "--dev-fraction splits --data": ["--dev-fraction", "0.2"],
+        "argument --dev-fraction": ["--data", str(requests_file), "--dev-fraction", "1"],
+        "argument --budgets": ["--budgets", "0.2,1.5"],
+        "argument --levels": ["--levels", "0.25,0.5"],  # 0 must be among them
+        "argument --floor-share": ["--floor-share", "2"],
+        "argument --tolerance": ["--tolerance", "-0.1"],
+        "argument --groups": ["--groups", "0"],
+        "--checkpoint": ["--checkpoint", str(requests_file)],
+    }
+    for named, flags in cases.items():
+        assert named in usage_error(["calibrate", "--out", out, *flags], capsys), flags
+    assert "--out" in usage_error(["calibrate", "--out", str(requests_file)], capsys)  # a file, not a directory
+    err = usage_error(["calibrate", "--out", "/pask-jax-no-such-root-dir/policy"], capsys)
+    assert "--out" in err and "does not exist" in err
+    assert not Path(out).exists()
+
+
+def test_bfcl_refuses_bad_settings_before_the_model(tmp_path: Path, policy_dir: Path, capsys):
+    cases = {
+        "--methods: unknown method 'magic'": ["--methods", "full,magic"],
+        "--categories: unknown 'simple'": ["--categories", "simple"],
+        "argument --budget": ["--budget", "0.5,2"],
+        "--policy x=": ["--policy", f"x={tmp_path / 'no-policy'}"],
+        "--method-config": ["--method-config", str(tmp_path / "missing.toml")],
+        "--out": ["--out", str(tmp_path)],
+        "argument --limit": ["--limit", "0"],
+        "argument --length-buckets": ["--length-buckets", "256,x"],
+    }
+    for named, flags in cases.items():
+        assert named in usage_error(["bfcl", *flags], capsys), flags
+    err = usage_error(["bfcl", "--out", "/pask-jax-no-such-root-dir/r.json"], capsys)
+    assert "--out" in err and "does not exist" in err
+
+
+def test_niah_refuses_bad_paths_and_settings_before_the_model(tmp_path: Path, policy_dir: Path, capsys):
+    out = str(tmp_path / "niah.json")
+    cases = {
+        "--policy": ["--policy", str(tmp_path / "no-policy")],
+        "--method-config": ["--method-config", str(tmp_path / "missing.toml")],
+        "budget 1.5 must be in (0, 1]": ["--budgets", "0.1,1.5"],
+        "--policy 'pask=": ["--policy", f"pask={policy_dir}"],  # niah's own check, also before loading
+    }
+    for named, flags in cases.items():
+        assert named in usage_error(["niah", "--out", out, *flags], capsys), flags
+    assert "--out" in usage_error(["niah", "--out", str(tmp_path)], capsys)
+    assert "does not exist" in usage_error(["niah", "--out", "/pask-jax-no-such-root-dir/r.json"], capsys)
+
+
+def test_argparse_errors_are_one_line(capsys):
+    assert "required: -i/--input" in usage_error(["run", "-o", "out.jsonl"], capsys)
+    assert "argument --ablation: invalid choice" in usage_error(["calibrate", "--out", "p", "--ablation", "x"], capsys)
