@@ -5,7 +5,9 @@
     answer["choices"][0]["message"]["tool_calls"]    # OpenAI shape; answer["pask"]: kept/full KV, TTFT, ...
 
 Requests are rendered with the checkpoint's own chat template and their tool calls (or JSON content) decoded under
-the grammar. `scheduler="continuous"` (the default, `pask_jax.scheduler`): requests that share sampling settings run
+the grammar; under tool_choice "auto", a call the model wrote in its text answer (a ```json fence, bare JSON) that
+names a tool and validates against its schema is returned as a tool call too (`pask_jax.structure.call_parser`).
+`scheduler="continuous"` (the default, `pask_jax.scheduler`): requests that share sampling settings run
 through one cache of up to `max_batch` rows, in order; a row whose answer ends takes the next request at once, and
 `kv_memory_bytes` (if given) sets the row count (a method that keeps less gets more rows in the same memory).
 `scheduler="static"`: requests that share sampling settings and constrained-ness are length-sorted into micro-batches
@@ -22,7 +24,6 @@ returned text (the row still decodes to its end or its token limit).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -44,10 +45,10 @@ from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
 from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError, parse_request
 from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
 from pask_jax.structure import FreeTextConstraint, GrammarConstraint
+from pask_jax.structure.call_parser import parse_text_calls, split_native_calls
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 DEFAULT_MAX_CONTEXT = 32768
-_TOOL_CALL_OPEN, _TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 SCHEDULERS = ("continuous", "static")
 
 
@@ -297,13 +298,18 @@ class LLM:
         finish = "length" if len(gen.tokens) > request.max_tokens else gen.finish_reason
         stop_ids = set(self.tokenizer.eos_token_ids)
         text = self.tokenizer.decode([t for t in tokens if t not in stop_ids])
-        content, tool_calls = _split_tool_calls(text, self._answers_with_calls(prepared, tokens))
-        if tool_calls and finish == "stop":
-            finish = "tool_calls"
+        with_calls = self._answers_with_calls(prepared, tokens)
+        content, tool_calls = split_native_calls(text) if with_calls else (text, [])
         if content is not None and request.stop and not tool_calls:
             cut = min((content.find(s) for s in request.stop if s in content), default=-1)
             if cut >= 0:
                 content, finish = content[:cut], "stop"
+        if not with_calls and prepared.grammar is not None and prepared.grammar.kind == "auto":
+            # an "auto" text answer may still write its call (a fence, bare JSON): read it from the text as cut by
+            # the stop strings, as a server that stopped there would see it
+            content, tool_calls = parse_text_calls(content, request.tools, parallel=request.parallel_tool_calls)
+        if tool_calls and finish == "stop":
+            finish = "tool_calls"
         message = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
@@ -327,35 +333,3 @@ class LLM:
                 "decode_s": round(float(np.sum(stats.token_times_s)), 3),
             },
         }
-
-
-def _split_tool_calls(text: str, with_calls: bool) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an answer: `<tool_call>` blocks become OpenAI tool calls, the rest is content."""
-    if not with_calls:
-        return text, []
-    calls, rest, pos = [], [], 0
-    while (start := text.find(_TOOL_CALL_OPEN, pos)) >= 0:
-        rest.append(text[pos:start])
-        end = text.find(_TOOL_CALL_CLOSE, start)
-        if end < 0:  # cut off by the token limit: an unfinished call is content, not a call
-            rest.append(text[start:])
-            pos = len(text)
-            break
-        body = text[start + len(_TOOL_CALL_OPEN) : end]
-        try:
-            call = json.loads(body)
-            name, arguments = call["name"], call["arguments"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            rest.append(text[start : end + len(_TOOL_CALL_CLOSE)])
-        else:
-            calls.append(
-                {
-                    "id": f"call_{uuid.uuid4().hex[:24]}",
-                    "type": "function",
-                    "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
-                }
-            )
-        pos = end + len(_TOOL_CALL_CLOSE)
-    rest.append(text[pos:])
-    content = "".join(rest).strip()
-    return (content or None), calls

@@ -12,6 +12,8 @@
 - ``constraint``: ``TokenConstraint`` (what the engine asks), ``GrammarConstraint`` (packed masks in, roles out) and
   ``FreeTextConstraint`` (any text until EOS, with FREE_TEXT roles).
 - ``prompt_roles``: the role of every prompt token.
+- ``call_parser``: calls an ``"auto"`` text answer writes (``<tool_call>`` blocks, ```json fences, bare JSON) ->
+  OpenAI tool calls when they name a tool and validate against its schema (``parse_text_calls``); no JAX.
 """
 
 from pask_jax.structure.constraint import FreeTextConstraint, GrammarConstraint, TokenConstraint
