@@ -27,8 +27,8 @@ demo: venv
 	$(VENV)/bin/pask-jax compare examples/requests.jsonl $(DEMO)/full.jsonl $(DEMO)/pask-0.33.jsonl
 
 test: venv
-	$(VENV)/bin/ruff check pask_jax tests scripts
+	$(VENV)/bin/ruff check pask_jax tests scripts tools
 	$(PY) -m pytest -q
 
 lint: venv
-	$(VENV)/bin/ruff format --check pask_jax tests scripts
+	$(VENV)/bin/ruff format --check pask_jax tests scripts tools

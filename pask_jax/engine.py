@@ -307,7 +307,7 @@ def prefill_plans(plans: tuple[StepPlan, ...], params, tokens, lengths, roles, c
 
     tokens i32[B, T], lengths i32[B], roles i32[B, T] -> last-token logits f32[B, V], per plan (caches, kept i32[B]).
     Prefill attention is uncompressed for every method, so plans over one model share the forward; only the
-    scoring and the fill are per plan (how a BFCL sweep runs many methods and budgets for one prefill).
+    scoring and the fill are per plan (how a method sweep runs many methods and budgets for one prefill).
     """
     with mesh_context(plans[0].mesh):
         base = plans[0]

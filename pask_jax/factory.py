@@ -1,13 +1,14 @@
 """One engine factory: a method name, budget and policy in; an `Engine` whose method and budget agree out.
 
-Every entry point (the `LLM` API, `pask-jax run`, BFCL evaluation, calibration, benchmarks) builds engines here, so a
+Every entry point (the `LLM` API, `pask-jax run`, calibration, the experiments and benchmarks) builds engines here, so a
 PASK policy is always used at a budget it answers, full KV always runs at budget 1, and method hyper-parameters come
 from one place (the packaged `configs/methods.toml`, overridden per call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh
 
@@ -17,6 +18,41 @@ from pask_jax.models.qwen3 import Qwen3
 from pask_jax.policy import PersistencePolicy
 
 DEFAULT_GROUPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """A method as a command line or a sweep names it: `NAME`, or `NAME:LABEL`, a labelled variant (its own
+    method-config section `["NAME:LABEL"]`, or for PASK the policy labelled LABEL), resolved by `resolve_spec`."""
+
+    name: str
+    label: str = ""
+    overrides: Mapping = dataclasses.field(default_factory=dict)  # hyper-parameters over the dataclass defaults
+    policy: PersistencePolicy | None = None  # PASK's policy (None: uncalibrated, or not PASK)
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:{self.label}" if self.label else self.name
+
+
+def resolve_spec(
+    spec: str, method_config: Mapping[str, dict], policies: Mapping[str, PersistencePolicy] | None = None
+) -> MethodSpec:
+    """`NAME` or `NAME:LABEL` -> its MethodSpec: hyper-parameters from the method's config section, then the spec's
+    own; PASK's policy labelled LABEL, else the one labelled "pask". ValueError for an unknown method or a label with
+    neither a config section nor a policy."""
+    policies = policies or {}
+    name, _, label = spec.partition(":")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r} in {spec!r}; known: {', '.join(METHODS)}")
+    if label and spec not in method_config and not (name == "pask" and label in policies):
+        variants = ", ".join(s for s in method_config if s.startswith(name + ":")) or "none"
+        raise ValueError(
+            f"{spec!r}: a label must name a method-config section [{spec!r}] (or, for pask, a --policy LABEL=PATH); "
+            f"the config's {name} variants: {variants}"
+        )
+    policy = policies.get(label, policies.get("pask")) if name == "pask" else None
+    return MethodSpec(name, label, method_config.get(name, {}) | method_config.get(spec, {}), policy)
 
 
 def make_engine(

@@ -1,11 +1,9 @@
 """One request builder: an OpenAI chat-completions body -> prompt text, token ids, prompt roles and a grammar.
 
-Every entry point goes through it (the `LLM` API, `pask-jax run`, BFCL evaluation, calibration, benchmarks):
+Every entry point goes through it (the `LLM` API, `pask-jax run`, calibration, the experiments):
 
     body (dict) --parse_request--> ChatRequest --RequestBuilder.prepare--> PreparedRequest
                                                  (chat template, tokenizer, prompt roles, compiled grammar)
-    BFCL item   --RequestBuilder.prepare_bfcl--> PreparedRequest (BFCL's fixed prompt, its dialect translated;
-                                                 `prepare_tool_prompt` for other tool lists in that prompt)
 
 `parse_request` needs no tokenizer or model, so a batch's bad lines are found before anything is loaded.
 What a request may ask (`CHAT_FIELDS`): messages, tools, tool_choice ("auto" | "required" | "none" | a named function),
@@ -22,9 +20,9 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from pask_jax.models.chat_template import ChatTemplate, bfcl_python_functions, format_tool_prompt
+from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.models.tokenizer import Tokenizer
-from pask_jax.structure import CompiledGrammar, bfcl_function, compile_grammar, compile_json_grammar, parse_tools
+from pask_jax.structure import CompiledGrammar, compile_grammar, compile_json_grammar, parse_tools
 from pask_jax.structure.prompt_roles import prompt_roles
 
 DEFAULT_MAX_TOKENS = 256
@@ -200,19 +198,6 @@ def parse_request(body: Any, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) ->
     )
 
 
-def bfcl_request_body(item: dict, max_tokens: int = DEFAULT_MAX_TOKENS) -> dict:
-    """A BFCL item as a user would send it: its first turn's messages and its functions as OpenAI tools (with BFCL's
-    Python hint in each description), a call required, greedy."""
-    tools = [{"type": "function", "function": bfcl_function(f)} for f in bfcl_python_functions(item["function"])]
-    return {
-        "messages": item["question"][0],
-        "tools": tools,
-        "tool_choice": "required",
-        "temperature": 0,
-        "max_tokens": max_tokens,
-    }
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class PreparedRequest:
     """What the engine needs for one request."""
@@ -235,7 +220,7 @@ class RequestBuilder:
         self.template = template
         self.max_context = max_context
 
-    def _check_length(self, ids: Sequence[int], max_tokens: int) -> None:
+    def check_length(self, ids: Sequence[int], max_tokens: int) -> None:
         if self.max_context is not None and len(ids) + max_tokens > self.max_context:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; with max_tokens={max_tokens} it exceeds the model's context of "
@@ -260,37 +245,6 @@ class RequestBuilder:
         tools = [{"type": "function", "function": t} for t in request.tools] or None
         text = self.template.render(messages, tools)
         ids = self.tokenizer.encode(text)
-        self._check_length(ids, request.max_tokens)
+        self.check_length(ids, request.max_tokens)
         roles = prompt_roles(text, self.tokenizer, messages, tools)
         return PreparedRequest(request, text, ids, roles, self.grammar(request))
-
-    def prepare_tool_prompt(
-        self,
-        messages: Sequence[dict],
-        functions: Sequence[dict],
-        *,
-        grammar_functions: Sequence[dict] | None = None,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        framing: str = "tool_call",
-    ) -> PreparedRequest:
-        """BFCL's fixed Qwen FC prompt (parity with its handler) over BFCL-dialect `functions`; calls required.
-
-        `grammar_functions` (default: `functions`) are the tools the grammar allows, e.g. an item's own among
-        distractors listed in the prompt."""
-        text = format_tool_prompt(list(messages), list(functions))
-        ids = self.tokenizer.encode(text)
-        self._check_length(ids, max_tokens)
-        roles = prompt_roles(text, self.tokenizer, list(messages), list(functions))
-        tools = tuple(bfcl_function(f) for f in (functions if grammar_functions is None else grammar_functions))
-        request = ChatRequest(
-            messages=tuple(messages), tools=tools, tool_choice="required", max_tokens=max_tokens, temperature=0.0
-        )
-        grammar = compile_grammar(list(tools), self.tokenizer, tool_choice="required", framing=framing)
-        return PreparedRequest(request, text, ids, roles, grammar)
-
-    def prepare_bfcl(
-        self, item: dict, *, max_tokens: int = DEFAULT_MAX_TOKENS, framing: str = "tool_call"
-    ) -> PreparedRequest:
-        """A BFCL item ({"id", "question": [[messages]], "function": [...]}) as BFCL's Qwen FC handler prompts it."""
-        functions = bfcl_python_functions(item["function"])
-        return self.prepare_tool_prompt(item["question"][0], functions, max_tokens=max_tokens, framing=framing)

@@ -12,7 +12,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from pask_jax.evaluate import format_table, item_stats, summarize_runs
+from pask_jax.experiments.bfcl.evaluate import format_table, item_stats, summarize_runs
 
 
 def kept_table(runs: list[dict]) -> str:

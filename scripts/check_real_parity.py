@@ -18,8 +18,8 @@ import torch
 import transformers
 
 from pask_jax import Engine, SamplingConfig, load_model, load_tokenizer, resolve_model_path
-from pask_jax.bfcl import CATEGORIES, load_category
-from pask_jax.models.chat_template import bfcl_prompt
+from pask_jax.experiments.bfcl import CATEGORIES, load_category
+from pask_jax.experiments.bfcl.prompt import bfcl_prompt
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import sys
 import unicodedata
 from pathlib import Path
 
-from pask_jax.models.chat_template import bfcl_prompt, format_tool_call
+from pask_jax.experiments.bfcl.prompt import bfcl_prompt, format_tool_call
 from pask_jax.models.fetch import cache_dir
 from pask_jax.models.tokenizer import gguf_tokenizer
 

@@ -12,8 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
-from pask_jax.bfcl_merge import load, merge
-from pask_jax.evaluate import format_table
+from pask_jax.experiments.bfcl.evaluate import format_table
+from pask_jax.experiments.bfcl.merge import load, merge
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""The benchmarks (`pask_jax.bench`) on tiny random models: serving end to end, decode vs transformers, cache bytes."""
+"""The benchmarks (`experiments.bench`) on tiny random models: serving end to end, decode vs transformers, cache
+bytes, compile times."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pask_jax.bench
-from pask_jax.bench import decode, machine, serving, workloads
+import pask_jax.experiments.bench
 from pask_jax.engine import new_token_bucket, padded_batch
+from pask_jax.experiments.bench import decode, machine, serving, workloads
 from pask_jax.structure.roles import Role
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ PROMPT_BUCKET, NEW_BUCKET = 256, 64  # synthetic "bfcl" prompts are 64..255 toke
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("serving") / "serving.json"
-    returned = pask_jax.bench.main(["serving", *ARGS, "--out", str(out)])
+    returned = pask_jax.experiments.bench.main(["serving", *ARGS, "--out", str(out)])
     written = json.loads(out.read_text())
     assert written["runs"] == json.loads(json.dumps(returned["runs"]))
     assert out.with_suffix(".png").stat().st_size > 0 and "| bfcl | pask |" in out.with_suffix(".md").read_text()
@@ -174,7 +175,9 @@ def test_request_stream_static_and_continuous_under_one_memory_limit(tmp_path):
     out = tmp_path / "stream.json"
     args = ["--model", "tiny", "--scheduler", "static,continuous", "--workloads", "bfcl", "--pool", "5"]
     args += ["--methods", "full,snapkv,pask", "--budgets", "0.33", "--max-new-tokens", "6", "--memory-batch", "2"]
-    result = pask_jax.bench.main(["serving", *args, "--repeats", "2", "--prefill-rows", "1", "--out", str(out)])
+    result = pask_jax.experiments.bench.main(
+        ["serving", *args, "--repeats", "2", "--prefill-rows", "1", "--out", str(out)]
+    )
     assert json.loads(out.read_text())["complete"] and "| bfcl | snapkv | 0.33 | continuous |" in (
         out.with_suffix(".md").read_text()
     )
@@ -198,7 +201,7 @@ def test_request_stream_with_the_grammar_on_and_off_the_critical_path(tmp_path):
     per-repeat ratios against the sync run of the same engine, the sync run none."""
     args = ["--model", "tiny", "--scheduler", "continuous,continuous-sync", "--workloads", "bfcl", "--pool", "3"]
     args += ["--methods", "full", "--max-new-tokens", "6", "--memory-batch", "2", "--repeats", "1"]
-    result = pask_jax.bench.main(["serving", *args, "--out", str(tmp_path / "overlap.json")])
+    result = pask_jax.experiments.bench.main(["serving", *args, "--out", str(tmp_path / "overlap.json")])
     runs = {r["scheduler"]: r for r in result["workloads"]["bfcl"]["runs"]}
     overlap, sync = runs["continuous"], runs["continuous-sync"]
     assert overlap["rows"] == sync["rows"] and sync["vs_sync"] is None
@@ -247,7 +250,7 @@ def test_cache_bench_reproduces_the_committed_numbers(tmp_path):
     committed = json.loads((REPO / "results" / "cache_bytes.json").read_text())
     args = committed["args"]
     out = tmp_path / "cache.json"
-    result = pask_jax.bench.main(
+    result = pask_jax.experiments.bench.main(
         ["cache", "--model", args["model"], "--prompt-len", args["prompt_len"], "--new-tokens", args["new_tokens"]]
         + ["--batch", args["batch"], "--out", str(out)]
     )
@@ -350,25 +353,25 @@ def test_hlo_copies_reads_weight_relayouts():
 @pytest.mark.parametrize("benchmark, flag", [("serving", "--memory-batch"), ("decode", "--warmup-tokens")])
 def test_subcommand_help_exits_zero(capsys, benchmark, flag):
     with pytest.raises(SystemExit) as exit_info:
-        pask_jax.bench.main([benchmark, "--help"])
+        pask_jax.experiments.bench.main([benchmark, "--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and f"pask-jax bench {benchmark}" in out and flag in out
 
 
 def test_bench_usage_and_unknown_benchmark(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        pask_jax.bench.main(["--help"])
+        pask_jax.experiments.bench.main(["--help"])
     usage = capsys.readouterr().out
-    assert exit_info.value.code == 0 and all(f"\n  {name} " in usage for name in pask_jax.bench.BENCHMARKS)
+    assert exit_info.value.code == 0 and all(f"\n  {name} " in usage for name in pask_jax.experiments.bench.BENCHMARKS)
     for argv in ([], ["servng"]):
         with pytest.raises(SystemExit) as exit_info:
-            pask_jax.bench.main(argv)
+            pask_jax.experiments.bench.main(argv)
         assert exit_info.value.code == 2 and "pask-jax bench {serving" in capsys.readouterr().err
 
 
 def test_entrypoints_bench_runs_both_paths_on_the_same_items(tiny_qwen_vocab, qwen_tok, capsys):
-    from pask_jax.bench.entrypoints import compare_entrypoints
-    from pask_jax.evaluate import EvalConfig
+    from pask_jax.experiments.bench.entrypoints import compare_entrypoints
+    from pask_jax.experiments.bfcl.evaluate import EvalConfig
     from pask_jax.llm import LLM
     from pask_jax.models.chat_template import ChatTemplate
 
@@ -395,7 +398,9 @@ def test_compile_bench_times_each_step_and_warm_compiles_load_from_the_cache(tmp
 
     out = tmp_path / "compile.json"
     args = ["--model", "tiny", "--methods", "full,h2o", "--prompt-tokens", "64,128", "--out", str(out)]
-    subprocess.run([sys.executable, "-m", "pask_jax.bench", "compile", *args], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pask_jax.experiments.bench", "compile", *args], check=True, capture_output=True
+    )
     result = json.loads(out.read_text())
     assert [(r["method"], r["prompt_tokens"]) for r in result["steps"]] == [
         ("full", 64), ("h2o", 64), ("full", 128), ("h2o", 128)

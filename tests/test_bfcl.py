@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("bfcl_eval")
 
-from pask_jax import bfcl  # noqa: E402
+from pask_jax.experiments import bfcl  # noqa: E402
 
 SIZES = {  # (calibration, dev, evaluation) under the schema split; totals are EVAL_MODELS.md's category sizes
     "simple_python": (30, 53, 317),

@@ -316,8 +316,8 @@ def test_sharded_over_8_devices_matches_single_device():
 
 def test_end_to_end_real_bfcl_items():
     pytest.importorskip("bfcl_eval")
-    from pask_jax.bfcl import load_answers, load_category, split_items
-    from pask_jax.calibration.run import calibrate, calibration_items, prepare_example
+    from pask_jax.experiments.bfcl import load_answers, load_category, split_items
+    from pask_jax.experiments.bfcl.calibration import calibrate, calibration_items, prepare_example
     from pask_jax.models.tokenizer import qwen_tokenizer
 
     tokenizer, vocab = qwen_tokenizer(), 151936
@@ -359,11 +359,13 @@ def test_own_call_target_is_right_at_full_kv():
     """The engine's greedy constrained call, teacher-forced by the passes, has baseline error 0: the passes'
     argmax under the grammar reproduces every token the engine decoded (own-call targets are right by construction)."""
     pytest.importorskip("bfcl_eval")
-    from pask_jax.calibration.run import calibration_items, own_call, prepare_example
+    from pask_jax.calibration.run import own_call
     from pask_jax.engine import Engine, SamplingConfig
-    from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions
+    from pask_jax.experiments.bfcl.calibration import calibration_items, prepare_example
+    from pask_jax.experiments.bfcl.dialect import bfcl_function
+    from pask_jax.experiments.bfcl.prompt import bfcl_prompt, bfcl_python_functions
     from pask_jax.models.tokenizer import qwen_tokenizer
-    from pask_jax.structure import GrammarConstraint, bfcl_function, compile_grammar
+    from pask_jax.structure import GrammarConstraint, compile_grammar
 
     tokenizer, vocab = qwen_tokenizer(), 151936
     model = Qwen3(ModelConfig.tiny(vocab_size=vocab, hidden_size=32, num_layers=LAYERS), rngs=nnx.Rngs(0))

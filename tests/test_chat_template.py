@@ -25,16 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from pask_jax.bfcl import CATEGORIES, load_category
-from pask_jax.models.chat_template import (
-    ChatTemplate,
-    ChatTemplateError,
-    bfcl_prompt,
-    bfcl_python_functions,
-    format_tool_call,
-    format_tool_prompt,
-    load_chat_template,
-)
+from pask_jax.experiments.bfcl import CATEGORIES, load_category
+from pask_jax.experiments.bfcl.prompt import bfcl_prompt, bfcl_python_functions, format_tool_call, format_tool_prompt
+from pask_jax.models.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 
 needs_bfcl = pytest.mark.skipif(importlib.util.find_spec("bfcl_eval") is None, reason="bfcl-eval is not installed")
 

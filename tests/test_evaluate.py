@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import synthetic_stats
 
-from pask_jax import bfcl
 from pask_jax.calibration.compiler import compile_policy
-from pask_jax.evaluate import EvalConfig, build_engines, format_table, run_bfcl
+from pask_jax.experiments import bfcl
+from pask_jax.experiments.bfcl.evaluate import EvalConfig, build_engines, format_table, run_bfcl
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import qwen_tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
@@ -77,7 +77,7 @@ def test_labelled_pask_variants_take_their_own_policy_else_the_pask_one(tiny_qwe
 
 
 def test_long_context_items_list_distractors_and_the_grammar_allows_every_tool(tiny_qwen: Qwen3):
-    from pask_jax.evaluate import _prepare
+    from pask_jax.experiments.bfcl.evaluate import _prepare
 
     item = bfcl.evaluation_sample("simple_python", 0, 1)[0]
     tok = qwen_tokenizer()

@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 from outlines_core import Guide, Index, Vocabulary
 
-from pask_jax import bfcl
-from pask_jax.models.chat_template import bfcl_python_functions
+from pask_jax.experiments import bfcl
+from pask_jax.experiments.bfcl.dialect import bfcl_function
+from pask_jax.experiments.bfcl.prompt import bfcl_python_functions
 from pask_jax.models.tokenizer import qwen_tokenizer
 from pask_jax.structure import (
     CompiledGrammar,
     GrammarConstraint,
     GrammarError,
     TokenConstraint,
-    bfcl_function,
     compile_grammar,
     compile_json_grammar,
     grammar_vocabulary,
@@ -592,7 +592,7 @@ def test_bad_schema_errors(tok):
         compile_grammar([bfcl_function(FACTORIAL)], tok, framing="xml")
     with pytest.raises(GrammarError, match="tool list is empty"):
         compile_grammar([], tok)
-    with pytest.raises(GrammarError, match=r"function 'math.factorial'.*unknown type 'dict'.*bfcl_function"):
+    with pytest.raises(GrammarError, match=r"function 'math.factorial'.*unknown type 'dict'.*did you mean 'object'"):
         compile_grammar([FACTORIAL], tok)  # a BFCL dict not translated
     with pytest.raises(GrammarError, match="string 'name'.*parse_tools"):
         compile_grammar([{"type": "function", "function": FACTORIAL}], tok)  # an OpenAI tool not parsed

@@ -195,9 +195,9 @@ def test_bfcl_items_as_openai_requests_make_the_same_calls_as_the_bfcl_harness()
     """The default model, BFCL items through `LLM.chat` (the checkpoint's own chat template, OpenAI tools) and
     through `pask-jax bfcl`'s path (BFCL's fixed prompt): the decoded calls agree on most items. The prompts differ
     (the template adds Qwen's default system message and the tool envelope), so identity is not guaranteed."""
-    from pask_jax import bfcl
-    from pask_jax.evaluate import EvalConfig, run_bfcl
-    from pask_jax.requests import bfcl_request_body
+    from pask_jax.experiments import bfcl
+    from pask_jax.experiments.bfcl.evaluate import EvalConfig, run_bfcl
+    from pask_jax.experiments.bfcl.prompt import bfcl_request_body
 
     llm = LLM("qwen2.5-coder-0.5b", method="full", max_batch=8)
     items = [it for c in ("simple_python", "multiple") for it in bfcl.evaluation_sample(c, 0, 4)]

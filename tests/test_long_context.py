@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from pask_jax import bfcl, load_tokenizer
-from pask_jax.long_context import (
+from pask_jax import load_tokenizer
+from pask_jax.experiments import bfcl
+from pask_jax.experiments.bfcl.long_context import (
     QUESTION_FIRST_ASK,
     distractor_pool,
     item_seed,
     long_context_prompt,
     question_messages,
 )
-from pask_jax.models.chat_template import bfcl_prompt, format_tool_prompt
+from pask_jax.experiments.bfcl.prompt import bfcl_prompt, format_tool_prompt
 from pask_jax.structure import prompt_roles
 
 

@@ -1,4 +1,4 @@
-"""pask_jax.bfcl_merge: disjoint item ranges of one run join into the result of a single run."""
+"""pask_jax.experiments.bfcl.merge: disjoint item ranges of one run join into the result of a single run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pask_jax import bfcl_merge as merge_bfcl
+from pask_jax.experiments.bfcl import merge as merge_bfcl
 
 
 def item(i: int, valid: bool) -> dict:

@@ -4,7 +4,6 @@ obey the schema, results resume), settings checks, the CLI's validation and the 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -13,8 +12,9 @@ import numpy as np
 import pytest
 from conftest import synthetic_stats
 
-from pask_jax import cli, niah
+from pask_jax import cli
 from pask_jax.calibration.compiler import compile_policy
+from pask_jax.experiments import commands, niah
 from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.policy import PersistencePolicy
 from pask_jax.requests import RequestBuilder
@@ -235,7 +235,7 @@ def test_the_cli_refuses_bad_settings_before_the_model_loads(flags, message, tmp
 
 def test_the_cli_defaults_are_the_module_defaults(monkeypatch):
     seen = []
-    monkeypatch.setattr(cli, "cmd_niah", seen.append)
+    monkeypatch.setattr(commands, "cmd_niah", seen.append)
     with pytest.raises(SystemExit):
         cli.main(["niah", "--out", "r.json"])
     [args] = seen
@@ -248,9 +248,8 @@ def test_the_cli_defaults_are_the_module_defaults(monkeypatch):
 
 
 def test_the_plots_are_written_beside_the_results(tmp_path):
-    spec = importlib.util.spec_from_file_location("plot_niah", ROOT / "scripts" / "plot_niah.py")
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
+    from tools import plot_niah as plot
+
     rng = np.random.default_rng(0)
     cells = [
         {

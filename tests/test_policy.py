@@ -302,7 +302,7 @@ def test_floors_respected_online():
     [("qwen2.5-coder-0.5b", 24, 896, 32), ("qwen2.5-coder-1.5b", 28, 1536, 12)],
 )
 def test_shipped_policies_load_and_obey_their_budgets(name: str, layers: int, hidden: int, min_items: int):
-    from pask_jax.bfcl import is_calibration
+    from pask_jax.experiments.bfcl import is_calibration
 
     policy = PersistencePolicy.load(SHIPPED_POLICIES / name)
     fits = policy.fits

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pask_jax.bfcl import CATEGORIES, load_category
-from pask_jax.models.chat_template import ChatTemplate, bfcl_prompt, bfcl_python_functions, format_tool_prompt
+from pask_jax.experiments.bfcl import CATEGORIES, load_category
+from pask_jax.experiments.bfcl.prompt import bfcl_prompt, bfcl_python_functions, format_tool_prompt
+from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.models.tokenizer import qwen_tokenizer
 from pask_jax.structure.prompt_roles import label_prompt, prompt_roles
 from pask_jax.structure.roles import Role

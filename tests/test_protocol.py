@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pask_jax.protocol import choose_variants, dev_totals
+from pask_jax.experiments.bfcl.protocol import choose_variants, dev_totals
 
 
 def _run(spec: str, budget: float, right: list[bool], category: str = "simple_python") -> dict:

@@ -1,4 +1,4 @@
-"""docs/RESULTS.md's generated tables against the committed results files, and the paired statistics."""
+"""The results documents' generated tables against the committed results files, and the paired statistics."""
 
 from __future__ import annotations
 
@@ -11,11 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from pask_jax import report
-from pask_jax.report import ReportError, mcnemar_exact_p, paired_bootstrap_ci, render_tables, stale_tables
+from tools import report
+from tools.report import (
+    ReportError,
+    mcnemar_exact_p,
+    paired_bootstrap_ci,
+    render_tables,
+    stale_in_documents,
+    stale_tables,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "RESULTS.md"
+DOCS = sorted((REPO / "docs" / "results").glob("*.md"))
+ARCHIVE = REPO / "docs" / "results" / "archive.md"
 needs_bfcl_data = pytest.mark.skipif(
     importlib.util.find_spec("bfcl_eval") is None, reason="the overlap tables read BFCL's tool sets"
 )
@@ -26,20 +34,24 @@ needs_bfcl_data = pytest.mark.skipif(
 
 @needs_bfcl_data
 def test_every_table_matches_its_results_file():
-    assert stale_tables(DOC.read_text(encoding="utf-8"), REPO) == []
+    assert stale_in_documents({str(p): p.read_text(encoding="utf-8") for p in DOCS}, REPO) == []
 
 
 @needs_bfcl_data
 def test_a_changed_cell_is_reported(tmp_path: Path):
-    doc = DOC.read_text(encoding="utf-8")
+    doc = ARCHIVE.read_text(encoding="utf-8")
     row = "| pask | 0.33 | 88 | 64 |"
     assert doc.count(row) == 1
-    changed = tmp_path / "RESULTS.md"
+    changed = tmp_path / "archive.md"
     changed.write_text(doc.replace(row, "| pask | 0.33 | 88 | 68 |"), encoding="utf-8")
-    assert stale_tables(changed.read_text(encoding="utf-8"), REPO) == ["bfcl_sweep_25"]
-    check = [sys.executable, str(REPO / "scripts" / "results_tables.py"), "--check", "--doc", str(changed)]
+    assert stale_tables(changed.read_text(encoding="utf-8"), REPO, every_table=False) == ["bfcl_sweep_25"]
+    check = [sys.executable, "-m", "tools.results_tables", "--check", "--doc", str(changed)]
     run = subprocess.run(check, capture_output=True, text=True, cwd=REPO)
-    assert run.returncode == 1 and "stale: bfcl_sweep_25" in run.stdout and "+| pask | 0.33 | 88 | 64 |" in run.stdout
+    assert (
+        run.returncode == 1
+        and f"stale: {changed}: bfcl_sweep_25" in run.stdout
+        and "+| pask | 0.33 | 88 | 64 |" in run.stdout
+    )
 
 
 def test_render_rewrites_blocks_and_keeps_the_text_around(tmp_path: Path):
@@ -56,6 +68,9 @@ def test_render_rewrites_blocks_and_keeps_the_text_around(tmp_path: Path):
     missing = [f"{name} (missing)" for name in report.TABLES if name != "cache_bytes"]
     assert stale_tables(rendered, tmp_path) == missing
     assert stale_tables(doc, tmp_path) == ["cache_bytes", *missing]
+    assert stale_in_documents({"a.md": rendered, "b.md": "text\n"}, tmp_path) == missing
+    with pytest.raises(ReportError, match="appears in both a.md and b.md"):
+        stale_in_documents({"a.md": rendered, "b.md": rendered}, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -78,7 +93,7 @@ def test_a_missing_results_file_is_named(tmp_path: Path):
 
 @needs_bfcl_data
 def test_variants_are_chosen_over_every_dev_file_and_evaluation_rows_held_to_the_choice(tmp_path: Path):
-    from pask_jax import bfcl
+    from pask_jax.experiments import bfcl
 
     dev = [i["id"] for i in bfcl.dev_sample("simple_python", 0, 3)]
     held_out = [i["id"] for i in bfcl.evaluation_sample("simple_python", 0, 3)]

@@ -16,7 +16,8 @@ import jsonschema
 import pytest
 from test_grammar import small_grammar
 
-from pask_jax.structure import GrammarError, bfcl_function, call_schema, compile_grammar, parse_tools, tool_call_regex
+from pask_jax.experiments.bfcl.dialect import bfcl_function
+from pask_jax.structure import GrammarError, call_schema, compile_grammar, parse_tools, tool_call_regex
 from pask_jax.structure import schema as S
 from pask_jax.structure.roles import Role
 from pask_jax.structure.vocabulary import grammar_vocabulary
@@ -87,7 +88,10 @@ def test_parse_tools_openai_and_bare_functions():
         ([{"type": "retrieval"}], r"tools\[0\]: type 'retrieval' is not supported"),
         ([{"type": "function"}], r"tools\[0\]: a 'function' tool needs a 'function' object"),
         ([{"name": "f", "parameters": {"type": "array"}}], r"tools\[0\] \('f'\): 'parameters' must be a JSON Schema"),
-        ([{"name": "f", "parameters": {"type": "dict", "properties": {}}}], r"'parameters' must.*bfcl_function"),
+        (
+            [{"name": "f", "parameters": {"type": "dict", "properties": {}}}],
+            r"'parameters' must.*did you mean type 'object'",
+        ),
         ([{"name": "f"}, {"name": "g"}, {"name": "f"}], r"tools\[2\] \('f'\): the name is also tools\[0\]'s"),
         ([{"name": "f", "strict": "yes"}], r"tools\[0\] \('f'\): 'strict' must be a boolean"),
         ([{"name": "f", "description": 3}], r"'description' must be a string"),
@@ -249,7 +253,7 @@ def test_enforced_schema_inlines_refs_and_cuts_recursion():
         ),
         ({"$ref": "#/$defs/missing"}, "#", r"\$ref '#/\$defs/missing' points at nothing"),
         ({"$ref": "other.json#/x"}, "#", "\\$ref 'other.json#/x': only local references"),
-        ({"type": "dict"}, "#", "unknown type 'dict'.*bfcl_function"),
+        ({"type": "dict"}, "#", "unknown type 'dict'.*did you mean 'object'"),
         ({"type": ["string", "string"]}, "#", "'type' must be a type name or a list of distinct ones"),
         ({"type": "string", "pattern": "a", "maxLength": 3}, "#", "'pattern' with 'minLength' / 'maxLength'"),
         ({"type": "string", "format": "uuid", "pattern": "a"}, "#", r"'format' 'uuid' with \['pattern'\]"),

@@ -30,16 +30,15 @@ from pask_jax import engine as engine_module
 from pask_jax.calibration.compiler import compile_policy
 from pask_jax.engine import Engine, SamplingConfig, generate_shared, padded_batch
 from pask_jax.llm import LLM
+from pask_jax.memory import cache_bytes_per_device, param_bytes_per_device
 from pask_jax.methods import METHODS, KVMethod, PaskKV
 from pask_jax.models.loading import cast_model, resolve_dtype
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.models.sharding import (
     PARAM_AXES,
     ShardingError,
-    cache_bytes_per_device,
     check_mesh,
     make_mesh,
-    param_bytes_per_device,
     param_path,
     param_spec,
     param_specs,

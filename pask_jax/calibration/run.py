@@ -1,14 +1,13 @@
 """Calibration driver: items -> gold calls with roles -> jitted passes -> `CalibrationStats`.
 
-Items come from BFCL's calibration split (`calibrate`, BFCL's fixed prompt) or from a user's own chat-completions
-requests (`calibrate_requests`, each rendered with the model's chat template; `pask_jax.calibration.data` reads and
-splits them).
+Items are prepared requests: a user's own chat-completions requests (`calibrate_requests`, each rendered with the
+model's chat template; `pask_jax.calibration.data` reads and splits them), or any other source of `Example`s
+(`calibrate_examples`; the experiments calibrate on an evaluation suite's calibration part that way).
 
-Targets (`target=`): "own" (default; the only one for user requests, which carry no answer) teacher-forces the
-model's own greedy, grammar-constrained call at full KV, so the baseline is right by construction and task error
-measures how often removing a bucket changes the call the model would make (what a compressed cache must preserve);
-"canonical" uses BFCL's rendered ground truth, which a small model rarely reproduces token for token (the 0.5B model:
-2 of 8 items), leaving most items without a task-error signal.
+The gold (`target`): "own" (the only one for user requests, which carry no answer) teacher-forces the model's own
+greedy, grammar-constrained call at full KV, so the baseline is right by construction and task error measures how
+often removing a bucket changes the call the model would make (what a compressed cache must preserve); a source with
+reference answers may teacher-force those instead ("canonical").
 
 Per item (see `passes.py` for what one pass computes): the prompt is prefilled once; then every variant (role r,
 layer group g, keep level lam) whose removal hides at least one entry is teacher-forced, in batches of `batch` rows
@@ -23,16 +22,14 @@ calls `jax.distributed.initialize()` first (`pask_jax.models.sharding.init_distr
 same items (and computes own calls on its first local device); the mesh spans all devices of all hosts and only the
 variant rows are split over them; results are all-gathered to every host, so every host ends with the same statistics.
 
-Run: ``pask-jax calibrate --model DIR --data requests.jsonl --checkpoint ckpt/calib --out policies/my-model`` or, on
-BFCL, ``pask-jax calibrate --model qwen2.5-coder-0.5b --per-category 8 --checkpoint ckpt/calib --out
-policies/qwen2.5-coder-0.5b`` (statistics saved inside the policy as ``stats.json``).
+Run: ``pask-jax calibrate --model DIR --data requests.jsonl --checkpoint ckpt/calib --out policies/my-model``
+(statistics saved inside the policy as ``stats.json``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -47,27 +44,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from pask_jax.bfcl import (
-    CATEGORIES,
-    SPLIT_RULE,
-    canonical_calls,
-    is_calibration,
-    load_answers,
-    split_items,
-)
 from pask_jax.calibration.passes import NO_ROLE, ItemArrays, PassPlan, baseline_pass, removed_entries, variant_pass
 from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.layers import layer_groups
-from pask_jax.models.chat_template import format_tool_call
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.policy_compiler import STATS_ARRAYS, CalibrationStats
-from pask_jax.requests import PreparedRequest, RequestBuilder
+from pask_jax.requests import PreparedRequest
 from pask_jax.structure import GrammarConstraint
 from pask_jax.structure.roles import TAXONOMY_VERSION, num_roles
 
 DEFAULT_LEVELS = (0.0, 0.25, 0.5, 0.75)
 GOLD_BUCKET = 16  # fed tokens padded to a multiple of this; prompts to a power of two (>= 64)
-TARGETS = ("own", "canonical")
 OWN_CALL_TOKENS = 128  # an own call still unfinished after this many tokens is skipped (a runaway value)
 
 
@@ -82,43 +69,6 @@ class Example:
     gold_roles: np.ndarray  # i32[T]
     allowed: np.ndarray  # i32[T, W] packed bits (token 32w + j: bit j of word w) the grammar allows before g_t
     consistent: np.ndarray  # i32[T, W] packed bits: tokens whose text is a prefix of the gold text from g_t on
-
-
-def calibration_items(
-    per_category: int = 8, categories: Sequence[str] = CATEGORIES, rule: str = SPLIT_RULE
-) -> list[tuple[dict, dict]]:
-    """The first `per_category` calibration-part items of each category, in file order, with their answers."""
-    out = []
-    for category in categories:
-        answers = load_answers(category)
-        out += [(item, answers[item["id"]]) for item in split_items(category, rule).calibration[:per_category]]
-    return out
-
-
-def _schema_order(value, spec):
-    """Dict keys in the order the schema declares them (the grammar's order), recursively through objects / arrays."""
-    if isinstance(value, dict) and isinstance(spec, dict) and isinstance(spec.get("properties"), dict):
-        keys = list(spec["properties"])
-        ordered = sorted(value, key=lambda k: keys.index(k) if k in keys else len(keys))
-        return {k: _schema_order(value[k], spec["properties"].get(k)) for k in ordered}
-    if isinstance(value, list) and isinstance(spec, dict) and isinstance(spec.get("items"), dict):
-        return [_schema_order(v, spec["items"]) for v in value]
-    return value
-
-
-def gold_text(item: dict, answer: dict, ensure_ascii: bool = True) -> str:
-    """The canonical gold calls as the model emits them, then the end of turn (arguments in schema order).
-
-    ``format_tool_call`` writes non-ASCII as ``\\uXXXX`` (``json.dumps`` defaults, as BFCL's handler); the grammar
-    spells enum values in raw UTF-8, so `prepare_example` retries with ``ensure_ascii=False`` when it refuses a gold.
-    """
-    schemas = {f["name"]: f["parameters"] for f in item["function"]}
-    calls = []
-    for name, args in canonical_calls(answer, item["function"]):
-        args = _schema_order(args, schemas.get(name))
-        raw = f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args, ensure_ascii=False)}}}\n</tool_call>'
-        calls.append(format_tool_call(name, args) if ensure_ascii else raw)
-    return "\n".join(calls) + "<|im_end|>"
 
 
 def pack_bits(token_sets: Sequence[Sequence[int]], vocab_size: int) -> np.ndarray:
@@ -148,24 +98,6 @@ def text_consistent(gold: Sequence[int], tokenizer, vocab_size: int) -> np.ndarr
         rest = b"".join(pieces[t:])[:longest]
         sets.append([tok for n in range(1, len(rest) + 1) for tok in index.get(rest[:n], ())])
     return pack_bits(sets, vocab_size)
-
-
-def prepare_example(
-    item: dict, answer: dict | None, tokenizer, vocab_size: int, gold=None, engine: Engine | None = None
-) -> Example:
-    """A BFCL item as BFCL prompts it: tokenise prompt and gold, label prompt roles, walk the grammar over the gold
-    (ValueError if it refuses it).
-
-    The gold: `gold` token ids if given; else the model's own call (`own_call`) when an `engine` is given; else the
-    canonical rendering of the ground truth `answer`."""
-    prepared = RequestBuilder(tokenizer, None).prepare_bfcl(item)
-    if gold is not None:
-        renderings = [gold]
-    elif engine is not None:
-        renderings = [own_call(engine, np.asarray(prepared.ids, np.int32), prepared.grammar)]
-    else:
-        renderings = [tokenizer.encode(gold_text(item, answer, ensure_ascii)) for ensure_ascii in (True, False)]
-    return example_from_prepared(item["id"], prepared, renderings, tokenizer, vocab_size)
 
 
 def example_from_prepared(
@@ -298,8 +230,8 @@ def calibrate_examples(
     target: str = "canonical",  # what the examples' gold is (recorded in the statistics and the checkpoint)
     data: str | None = None,  # a digest of the data the examples come from (a checkpoint for other data is refused)
 ) -> CalibrationStats:
-    """The calibration loop over prepared examples (`calibrate` builds them from BFCL items, `calibrate_requests`
-    from chat-completions requests), with a progress bar (ETA) on the first process."""
+    """The calibration loop over prepared examples (`calibrate_requests` builds them from chat-completions requests),
+    with a progress bar (ETA) on the first process."""
     if 0.0 not in levels:
         raise ValueError(f"levels={levels} must include 0.0 (bucket removed: distortion is measured there)")
     cfg, levels = model.config, tuple(float(x) for x in levels)
@@ -374,33 +306,6 @@ def calibrate_examples(
         skipped=dict(state["skipped"]),
         wall_s=state["wall_s"],
     )
-
-
-def calibrate(
-    model: Qwen3,
-    tokenizer,
-    items_with_answers: Sequence[tuple[dict, dict]],
-    *,
-    target: str = "own",
-    rule: str = SPLIT_RULE,
-    **options,
-) -> CalibrationStats:
-    """Calibrate on BFCL (item, answer) pairs from the calibration part of split `rule` (`calibration_items`; a dev
-    or evaluation item is refused) against `target` "own" (the model's own full-KV call; items where it does not
-    finish are skipped) or "canonical" (the rendered ground truth). Options as `calibrate_examples`: groups=4,
-    levels=DEFAULT_LEVELS, checkpoint_dir=None, max_items=None, batch=32, save_every=4, progress=True."""
-    if target not in TARGETS:
-        raise ValueError(f"target={target!r}: choose one of {', '.join(TARGETS)}")
-    leaked = [it["id"] for it, _ in items_with_answers if not is_calibration(it["id"], rule)]
-    if leaked:
-        raise ValueError(f"dev and evaluation items must never be calibrated on (split rule {rule!r}): {leaked[:5]}")
-    vocab = model.config.vocab_size
-    engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids) if target == "own" else None
-    examples = [
-        (it["id"], functools.partial(prepare_example, it, a, tokenizer, vocab, engine=engine))
-        for it, a in items_with_answers
-    ]
-    return calibrate_examples(model, examples, target=target, **options)
 
 
 def calibrate_requests(

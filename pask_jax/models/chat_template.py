@@ -1,4 +1,4 @@
-"""Chat templates: a checkpoint's own (jinja, as transformers renders it) and BFCL's fixed Qwen FC prompt.
+"""Chat templates: a checkpoint's own (jinja, as transformers renders it).
 
 **A checkpoint's template.** ``load_chat_template`` reads the jinja source an HF checkpoint directory or a GGUF file
 ships, and ``ChatTemplate.render`` renders OpenAI-style messages and tools with it under the semantics of
@@ -13,23 +13,6 @@ format, is parsed into a dict, because templates write it with ``arguments | toj
 would quote the string a second time; templates that accept either a string or a dict print the dict the same way.
 Tools are passed as given (transformers does not wrap them either): OpenAI tool dicts
 ``{"type": "function", "function": {...}}`` are what templates expect.
-
-**BFCL's prompt.** Scores are only comparable with BFCL's if the model sees the same prompt, so ``format_tool_prompt``
-reproduces ``bfcl_eval/model_handler/local_inference/qwen_fc.py`` (``QwenFCHandler._format_prompt``, BFCL's hand
-copy of Qwen's chat template) rather than rendering the checkpoint's template. It differs from Qwen2.5's own template
-in three ways: no default system message (Qwen's template writes "You are Qwen, created by Alibaba Cloud. ..." when
-the conversation has none), tools written as the bare BFCL function dicts (not OpenAI tool dicts), and ``json.dumps``
-defaults (non-ASCII escaped as ``\\uXXXX``; ``tojson`` writes it as is). Two details of the handler matter:
-
-- tools are written with ``json.dumps`` defaults (``", "``/``": "`` separators, non-ASCII escaped as ``\\uXXXX``),
-  one per line inside ``<tools></tools>``, each the BFCL function dict itself (name, description, parameters);
-- before that, BFCL's ``load_dataset_entry`` appends a language hint to every function description
-  (``_func_doc_language_specific_pre_processing``). All eight categories we evaluate are Python ones, for which that
-  is the only change: parameter types (``"dict"``, ``"float"``, ...) are left as they are. ``bfcl_python_functions``
-  does this, and ``bfcl_prompt`` chains both for one BFCL item.
-
-Only system and user messages are supported there: BFCL's single-turn categories have no others (the handler's
-assistant and tool branches serve multi-turn runs, which we do not evaluate).
 """
 
 from __future__ import annotations
@@ -50,18 +33,6 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pask_jax.models.tokenizer import read_gguf_metadata
-
-TOOLS_HEADER = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-TOOLS_FOOTER = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
-    "</tool_call><|im_end|>\n"
-)
-GENERATION_PROMPT = "<|im_start|>assistant\n"
-PYTHON_HINT = " Note that the provided function is in Python 3 syntax."
 
 
 class ChatTemplateError(ValueError):
@@ -276,51 +247,3 @@ def load_chat_template(path: str | Path, name: str | None = None) -> ChatTemplat
         return None
     chosen = name or ("default" if "default" in templates else next(iter(templates)))
     return ChatTemplate(templates[chosen], bos_token=bos, eos_token=eos, name=f"{path.name}:{chosen}")
-
-
-def format_tool_prompt(messages: list[dict[str, str]], tools: list[dict[str, Any]]) -> str:
-    """[{"role": "system" | "user", "content": str}, ...] + tool dicts -> the prompt, ending in the assistant turn.
-
-    With tools, a leading system message is folded into the tools system block (its content, a blank line, then the
-    tools); without tools it stands alone. Later system messages and user messages become their own turns.
-    """
-    prompt = ""
-    has_system = bool(messages) and messages[0]["role"] == "system"
-    if tools:
-        prompt += "<|im_start|>system\n"
-        if has_system:
-            prompt += messages[0]["content"] + "\n\n"
-        prompt += TOOLS_HEADER + "".join(f"\n{json.dumps(tool)}" for tool in tools) + TOOLS_FOOTER
-    elif has_system:
-        prompt += f"<|im_start|>system\n{messages[0]['content']}<|im_end|>\n"
-    for index, message in enumerate(messages):
-        role = message["role"]
-        if role not in ("system", "user"):
-            raise ValueError(f"message {index} has role {role!r}; only 'system' and 'user' are supported")
-        if role == "user" or index > 0:
-            prompt += f"<|im_start|>{role}\n{message['content']}<|im_end|>\n"
-    return prompt + GENERATION_PROMPT
-
-
-def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
-    """One call as the model writes it: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
-
-    Rendered as the handler renders a past call (``json.dumps`` defaults); its parser accepts any valid JSON here.
-    """
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
-
-
-def bfcl_python_functions(functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """BFCL's preprocessing of a Python-category item's functions: the Python hint appended to each description.
-
-    Returns copies; the item's own dicts are left untouched.
-    """
-    functions = copy.deepcopy(functions)
-    for function in functions:
-        function["description"] += PYTHON_HINT
-    return functions
-
-
-def bfcl_prompt(item: dict[str, Any]) -> str:
-    """A single-turn BFCL item ({"id", "question": [[messages]], "function": [...]}) -> its Qwen FC prompt."""
-    return format_tool_prompt(item["question"][0], bfcl_python_functions(item["function"]))

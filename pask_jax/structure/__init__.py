@@ -1,7 +1,7 @@
 """Structure from the parser: tool schemas, the grammar (outlines-core), token roles and prompt labelling.
 
 - ``roles``: ``Role`` (stable integer ids), ``TAXONOMY_VERSION``, ``PROMPT_ROLES`` / ``GENERATED_ROLES``.
-- ``schema``: OpenAI tools (``parse_tools``) and BFCL functions (``bfcl_function``) -> function dicts; the JSON
+- ``schema``: OpenAI tools (``parse_tools``) -> function dicts; the JSON
   Schema the grammar enforces (``call_schema``), and which keywords it enforces (``SCHEMA_KEYWORDS``).
 - ``vocabulary``: a tokenizer's tokens as outlines-core matches them (framing special tokens as marker bytes).
 - ``regex``: the regex of a whole assistant turn (tool calls, a text answer, a JSON value), and the outlines-core
@@ -21,7 +21,7 @@ from pask_jax.structure.grammar import KINDS, CompiledGrammar, compile_grammar, 
 from pask_jax.structure.prompt_roles import prompt_roles
 from pask_jax.structure.regex import FRAMINGS, TOOL_CHOICES, tool_call_regex
 from pask_jax.structure.roles import GENERATED_ROLES, PROMPT_ROLES, TAXONOMY_VERSION, Role, num_roles
-from pask_jax.structure.schema import SCHEMA_KEYWORDS, GrammarError, bfcl_function, call_schema, parse_tools
+from pask_jax.structure.schema import SCHEMA_KEYWORDS, GrammarError, call_schema, parse_tools
 from pask_jax.structure.vocabulary import GrammarVocabulary, grammar_vocabulary
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "GrammarVocabulary",
     "Role",
     "TokenConstraint",
-    "bfcl_function",
     "call_schema",
     "compile_grammar",
     "compile_json_grammar",

@@ -248,13 +248,13 @@ def compile_grammar(
     whitespace: str | None = None,
 ) -> CompiledGrammar:
     """Compile (or fetch from the LRU cache) the grammar of an assistant turn calling ``functions`` (function dicts
-    from ``parse_tools`` or ``bfcl_function``).
+    from ``parse_tools``).
 
     ``tool_choice="required"``: one or more calls (``parallel=False``: exactly one), then the end of turn;
     ``"auto"``: those, or a text answer (``tool_call`` framing with ``<tool_call>`` special tokens only). For a
     named function pass that function alone with "required"; "none" needs no grammar. Index construction dominates
-    (Qwen's 151k-token vocabulary, CPU seconds per BFCL tool list, tool_call framing): median ~1 s for
-    single-function categories, ~2-3 s for multiple / parallel_multiple, ~6 s for live_multiple's long tool lists; up
+    (Qwen's 151k-token vocabulary, CPU seconds per tool list, tool_call framing): median ~1 s for one function,
+    ~2-3 s for a few, ~6 s for long tool lists of 10-20 functions; up
     to ~9 s for a free-form dict (every string state carries ~150k token transitions; such an index holds ~60-90 MB).
     The role walk adds ~10%. Raises GrammarError naming the function when a schema cannot be compiled.
     """

@@ -1,6 +1,6 @@
 """Roles of prompt tokens, from character offsets of the rendered prompt: for any chat template.
 
-The caller renders ``messages`` and ``tools`` with some template (a checkpoint's own, or BFCL's fixed prompt) and
+The caller renders ``messages`` and ``tools`` with some template (a checkpoint's own, or a fixed evaluation prompt) and
 hands over the text with the same messages and tools. ``label_prompt`` finds, in that text, what the conversation put
 there and labels it per character; whatever is left is the template's own (TEMPLATE):
 
@@ -20,7 +20,7 @@ there and labels it per character; whatever is left is the template's own (TEMPL
   (XML, Python reprs) gets a field-by-field search inside the tool's region instead: the name TOOL_NAME, parameter
   names PARAM_NAME, descriptions DESCRIPTION, each found as JSON-encoded, Python-quoted or raw text.
 
-For BFCL's fixed prompt (``pask_jax.models.chat_template.format_tool_prompt``) these rules give the same labels as
+For a Qwen-style prompt that lists tools one JSON per line in ``<tools>`` these rules give the same labels as
 lexing its ``<tools>`` block line by line and its turns by their headers. Contents are matched as text, so a message
 whose whole text also occurs earlier in the template's own markup (a one-word message such as "user") can be located
 there; tool JSON is matched first and never holds a message. Tools the text lists but the caller did not pass stay

@@ -102,7 +102,7 @@ def tool_call_regex(
 ) -> str:
     """The regex of an assistant turn: one call (``parallel``: one or more, separated by newlines), then the end.
 
-    ``functions`` are function dicts (``schema.parse_tools`` / ``schema.bfcl_function``).
+    ``functions`` are function dicts (``schema.parse_tools``).
     ``tool_call``: ``<tool_call>\\n{call}\\n</tool_call>``, parallel calls separated by ``\\n``. With
     ``host_repeat`` (what ``compile_grammar`` uses when the tokenizer has ``<tool_call>`` special tokens) the
     parallel regex holds **one** call followed by either the separator or the end of turn, and the host restarts the

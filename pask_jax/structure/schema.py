@@ -1,8 +1,8 @@
-"""Tools and schemas: OpenAI tool lists and BFCL's function dialect -> the JSON Schema the grammar enforces.
+"""Tools and schemas: OpenAI tool lists -> the JSON Schema the grammar enforces.
 
 A *function dict* is ``{"name": str, "description": str, "parameters": <JSON Schema of an object>}``:
-``parse_tools`` makes them from an OpenAI ``tools`` list, ``bfcl_function`` from one BFCL function (whose dialect
-has types dict / float / tuple / any and enums on arrays). ``call_schema`` gives the schema of one call object
+``parse_tools`` makes them from an OpenAI ``tools`` list (other tool dialects translate into function dicts before
+they reach the grammar). ``call_schema`` gives the schema of one call object
 ``{"name": <its name>, "arguments": {...}}`` with the parameters rewritten by ``enforced_schema`` into the subset
 outlines-core 0.2.14 compiles faithfully: ``$ref`` inlined, type lists split into ``anyOf``, defaults made explicit,
 annotations dropped. That rewritten schema is what the grammar allows, and the compile cache's key.
@@ -125,11 +125,21 @@ _TYPE_KEYWORDS = {  # keywords that apply to one type only: a schema without "ty
     "string": ("minLength", "maxLength", "pattern", "format"),
 }
 JSON_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
+# Type names other tool dialects and Python use, with the JSON Schema type meant: named in the error that refuses them.
+TYPE_ALIASES = {
+    "dict": "object",
+    "float": "number",
+    "tuple": "array",
+    "list": "array",
+    "bool": "boolean",
+    "int": "integer",
+    "str": "string",
+}
 
 _SCALAR = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"}]}
 _FLAT = {"anyOf": [_SCALAR, {"type": "array", "items": _SCALAR}]}
-# Values without a schema are kept shallow: every container level multiplies the automaton. BFCL's golds need no
-# more (its "any" values are scalars; free-form dicts map keys to scalars or lists of scalars). outlines-core turns the
+# Values without a schema are kept shallow: every container level multiplies the automaton. Tool calls rarely need
+# more ("any" values are scalars; free-form dicts map keys to scalars or lists of scalars). outlines-core turns the
 # empty schema {} into an unparenthesised alternation that breaks the surrounding regex, so "any" is spelled out.
 ANY_VALUE = {
     "anyOf": [_SCALAR, {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]
@@ -196,7 +206,7 @@ class _Rewriter:
             raise self.error(path, f"'type' must be a type name or a list of distinct ones, got {types!r}")
         for name in names:
             if name not in JSON_TYPES:
-                hint = " (BFCL functions go through bfcl_function)" if name in _BFCL_TYPES else ""
+                hint = f" (did you mean {TYPE_ALIASES[name]!r}?)" if name in TYPE_ALIASES else ""
                 raise self.error(path, f"unknown type {name!r}; JSON Schema's are {list(JSON_TYPES)}{hint}")
         return names
 
@@ -368,11 +378,11 @@ def enforced_schema(schema: Any, where: str) -> dict:
 
 def call_schema(function: dict) -> dict:
     """The JSON Schema of one call object ``{"name": <its name>, "arguments": {...}}`` the grammar enforces for a
-    function dict (from ``parse_tools`` or ``bfcl_function``); descriptions do not enter it."""
+    function dict (from ``parse_tools``); descriptions do not enter it."""
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise GrammarError(
-            "a function must be a dict with a string 'name' (OpenAI tools go through parse_tools, BFCL functions "
-            f"through bfcl_function), got {str(function)[:120]!r}"
+            "a function must be a dict with a string 'name' (OpenAI tools go through parse_tools), got "
+            f"{str(function)[:120]!r}"
         )
     name = function["name"]
     arguments = enforced_schema(function.get("parameters", _CLOSED_EMPTY), f"function {name!r}")
@@ -429,7 +439,8 @@ def parse_tools(tools: Sequence[dict]) -> list[dict]:
         if parameters is None:
             parameters = {"type": "object", "properties": {}}
         if not isinstance(parameters, dict) or parameters.get("type") != "object":
-            hint = " (BFCL functions go through bfcl_function)" if isinstance(parameters, dict) else ""
+            alias = TYPE_ALIASES.get(parameters.get("type")) if isinstance(parameters, dict) else None
+            hint = f" (did you mean type {alias!r}?)" if alias else ""
             raise GrammarError(
                 f"{where}: 'parameters' must be a JSON Schema object ({{'type': 'object', 'properties': ...}}), "
                 f"got {str(parameters)[:80]!r}{hint}"
@@ -438,100 +449,3 @@ def parse_tools(tools: Sequence[dict]) -> list[dict]:
         call_schema(parsed)  # refuses what the grammar cannot enforce now, before any compile
         functions.append(parsed)
     return functions
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# BFCL's dialect
-
-
-_BFCL_TYPES = {  # BFCL (and JSON Schema) type name -> JSON Schema type
-    "string": "string",
-    "integer": "integer",
-    "float": "number",
-    "number": "number",
-    "boolean": "boolean",
-    "bool": "boolean",
-    "dict": "object",
-    "object": "object",
-    "array": "array",
-    "list": "array",
-    "tuple": "array",
-    "null": "null",
-}
-# Kept from a BFCL parameter spec. BFCL's "format" (e.g. "date") is advisory, as are "maximum" and "default";
-# ground truths do not always follow them, so they are dropped.
-_BFCL_KEPT = ("description", "pattern", "minLength", "maxLength", "minItems", "maxItems")
-
-
-def _bfcl_param(spec: Any, function: str, path: str, enums: bool) -> dict:
-    """One BFCL parameter spec -> JSON Schema; ``function`` / ``path`` ("a.b[]") name it in errors."""
-    where = f"function {function!r}, parameter {path!r}"
-    if not isinstance(spec, dict):
-        raise GrammarError(f"{where}: a parameter spec must be a dict, got {type(spec).__name__}; fix the tool list")
-    kind = spec.get("type", "any")
-    if "enum" in spec:
-        values = list(spec["enum"])
-        if not values:
-            raise GrammarError(f"{where}: its enum is empty, so no value is allowed; remove the enum or list values")
-        if enums and kind in ("array", "list", "tuple"):  # BFCL puts the items' enum on the array itself
-            return {"type": "array", "items": {"enum": values}}
-        if enums:  # the enum alone decides: BFCL has e.g. type "boolean" with enum ["True", "False", "dontcare"]
-            return {"enum": values}
-        spec = {k: v for k, v in spec.items() if k != "enum"}
-    if kind == "any":
-        return {}
-    if not isinstance(kind, str) or kind not in _BFCL_TYPES:
-        raise GrammarError(
-            f"{where}: unsupported type {kind!r}; use one of {sorted(_BFCL_TYPES)} or 'any' (BFCL's types are dict, "
-            "float, tuple, any, integer, string, boolean, array)"
-        )
-    out: dict[str, Any] = {"type": _BFCL_TYPES[kind]}
-    out.update((key, spec[key]) for key in _BFCL_KEPT if key in spec)
-    if out["type"] == "array" and spec.get("items") is not None:
-        out["items"] = _bfcl_param(spec["items"], function, f"{path}[]", enums)
-    elif out["type"] == "object" and "properties" in spec:  # without properties: a free-form dict
-        out.update(_bfcl_object(spec["properties"], spec.get("required", []), function, f"{path}.", enums))
-    return out
-
-
-def _bfcl_object(properties: Any, required: Any, function: str, prefix: str, enums: bool) -> dict:
-    """properties + required of an object whose parameters are named ``prefix + name`` in errors."""
-    where = f"function {function!r}" + (f", parameter {prefix[:-1]!r}" if prefix else "")
-    if not isinstance(properties, dict):
-        raise GrammarError(f"{where}: 'properties' must be a dict of parameter specs; fix the tool list")
-    if not isinstance(required, list):
-        raise GrammarError(f"{where}: 'required' must be a list of parameter names; fix the tool list")
-    unknown = [name for name in required if name not in properties]
-    if unknown:
-        raise GrammarError(f"{where}: required {unknown} are not among its properties {list(properties)}")
-    return {
-        "properties": {name: _bfcl_param(p, function, prefix + name, enums) for name, p in properties.items()},
-        "required": list(required),
-    }
-
-
-def bfcl_function(function: dict, *, enums: bool = True) -> dict:
-    """A BFCL function dict -> a function dict with standard JSON Schema parameters.
-
-    BFCL types map to JSON Schema: dict -> object (free-form if it has no properties), float -> number, tuple ->
-    array, any -> ``{}`` (any JSON value, shallow), integer / string / boolean / array kept; required arguments are
-    required, optional ones may be omitted, no others are allowed. Descriptions are kept (annotations); formats,
-    bounds and defaults are dropped (BFCL's golds do not always follow them). With ``enums`` (default) an enum
-    decides the values on its own (BFCL has type "boolean" with enum ["True", "False", "dontcare"]; an array's enum
-    is its items'); ``enums=False`` drops enums and keeps the types. Of BFCL's 2,351 golds (rendered canonically, in
-    schema key order) the default grammar refuses 21: 7 name a value outside their parameter's enum (accepted with
-    ``enums=False``), 14 give a value of another type than their schema declares (``true`` for a string, ``null``
-    for an optional string, a list for a string, ...) or are unsatisfiable under BFCL's checker anyway.
-    """
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise GrammarError(f"a function must be a dict with a string 'name', got {str(function)[:120]!r}")
-    name = function["name"]
-    parameters = function.get("parameters", {"type": "dict", "properties": {}})
-    if not isinstance(parameters, dict):
-        raise GrammarError(f"function {name!r}: 'parameters' must be a dict (a BFCL 'dict' schema); fix the tool list")
-    properties, required = parameters.get("properties", {}), parameters.get("required", [])
-    return {
-        "name": name,
-        "description": function.get("description", ""),
-        "parameters": {"type": "object", **_bfcl_object(properties, required, name, "", enums)},
-    }

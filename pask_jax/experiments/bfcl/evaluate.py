@@ -8,7 +8,7 @@ results. A policy calibrated on items outside the calibration part of the run's 
 Each batch gets one compiled grammar per item (its own functions), the prompt roles of its tokens, and the engine's
 per-request statistics (kept/full KV ratios, token counts, times).
 
-`context=N` turns each item into a long prompt of at most N tokens (`pask_jax.long_context`): its tools list filled
+`context=N` turns each item into a long prompt of at most N tokens (`bfcl.long_context`): its tools list filled
 with distractor functions of its own split, the question after (`layout="question_last"`) or before
 (`"question_first"`) the tools, and the grammar allowing every tool in the prompt, as a user's request would. The time
 to build the prompts and compile their grammars is recorded per category (`prepare_s`).
@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from pask_jax import bfcl
 from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine, SamplingConfig, generate_shared
-from pask_jax.factory import make_engine
-from pask_jax.long_context import LAYOUTS, item_seed, long_context_prompt
-from pask_jax.methods import METHODS
+from pask_jax.experiments import bfcl
+from pask_jax.experiments.bfcl.long_context import LAYOUTS, item_seed, long_context_prompt
+from pask_jax.experiments.bfcl.prompt import prepare_bfcl, prepare_tool_prompt
+from pask_jax.factory import make_engine, resolve_spec
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
@@ -109,9 +109,9 @@ def _category_run(items: list[dict], parser_s: float, decode_s: float, steps: in
 def _prepare(item: dict, tokenizer: Tokenizer, cfg: EvalConfig) -> PreparedRequest:
     builder = RequestBuilder(tokenizer, None)
     if not cfg.context:
-        return builder.prepare_bfcl(item, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
+        return prepare_bfcl(builder, item, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
     messages, tools = long_context_prompt(item, tokenizer, cfg.context, item_seed(item["id"]), cfg.layout, cfg.split)
-    return builder.prepare_tool_prompt(messages, tools, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
+    return prepare_tool_prompt(builder, messages, tools, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
 
 
 def run_category(
@@ -161,24 +161,6 @@ def run_category(
     ]
 
 
-def resolve_spec(
-    spec: str, method_config: Mapping[str, dict], policies: Mapping[str, PersistencePolicy]
-) -> tuple[str, dict, PersistencePolicy | None]:
-    """A method spec -> (method name, hyper-parameter overrides, PASK's policy or None), by the rules of
-    `build_engines`; ValueError for an unknown method or a label with neither a config section nor a policy."""
-    name, _, label = spec.partition(":")
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r} in {spec!r}; known: {', '.join(METHODS)}")
-    if label and spec not in method_config and not (name == "pask" and label in policies):
-        variants = ", ".join(s for s in method_config if s.startswith(name + ":")) or "none"
-        raise ValueError(
-            f"{spec!r}: a label must name a method-config section [{spec!r}] (or, for pask, a --policy LABEL=PATH); "
-            f"the config's {name} variants: {variants}"
-        )
-    policy = policies.get(label, policies.get("pask")) if name == "pask" else None
-    return name, method_config.get(name, {}) | method_config.get(spec, {}), policy
-
-
 def build_engines(
     model: Qwen3,
     tokenizer: Tokenizer,
@@ -193,7 +175,8 @@ def build_engines(
     section, then the spec's own section."""
     engines = {}
     for spec in cfg.methods:
-        name, overrides, policy = resolve_spec(spec, method_config, policies)
+        resolved = resolve_spec(spec, method_config, policies)
+        name, overrides, policy = resolved.name, resolved.overrides, resolved.policy
         for budget in cfg.budgets if name != "full" else (1.0,):  # full KV ignores the budget: run it once
             engines[(spec, budget)] = make_engine(
                 model,

@@ -6,7 +6,7 @@
 Needs torch and transformers (the `test` extra). Both sides run the same GGUF (`qwen2.5-coder-0.5b` by default) in
 fp32, greedy, on the same BFCL Qwen FC prompts (the first B items of `simple_python`, tokenised with our tokenizer),
 with no stop token so that every request generates exactly N tokens. With --prompt-tokens N each item's prompt is
-instead its long-context prompt of at most N tokens (`pask_jax.long_context`: the item's question and functions
+instead its long-context prompt of at most N tokens (`bfcl.long_context`: the item's question and functions
 among distractor functions, in the same BFCL prompt); the lengths used are reported per batch. For each batch size
 each side gets one untimed warm-up call with the same prompts and compiled shapes but only --warmup-tokens new tokens
 (our decode capacity is bucketed in steps of 64 new tokens, so the executables are the same; `backend_compiles`
@@ -65,13 +65,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pask_jax import bfcl
-from pask_jax.bench.machine import code_state, compiles_so_far, machine_info
-from pask_jax.bench.workloads import category_prompts
 from pask_jax.engine import BatchShape, Engine, SamplingConfig, StepTiming, mask_words, sample, unpack_mask
+from pask_jax.experiments import bfcl
+from pask_jax.experiments.bench.machine import code_state, compiles_so_far, machine_info
+from pask_jax.experiments.bench.workloads import category_prompts
+from pask_jax.experiments.bfcl.long_context import item_seed, long_context_prompt
+from pask_jax.experiments.bfcl.prompt import format_tool_prompt
 from pask_jax.factory import make_engine
-from pask_jax.long_context import item_seed, long_context_prompt
-from pask_jax.models.chat_template import format_tool_prompt
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.models.tokenizer import Tokenizer
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from pask_jax.bench.machine import code_state, compiles_so_far, machine_info
-from pask_jax.bench.workloads import Workload
 from pask_jax.engine import Engine, SamplingConfig
+from pask_jax.experiments.bench.machine import code_state, compiles_so_far, machine_info
+from pask_jax.experiments.bench.workloads import Workload
 from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
 from pask_jax.structure import GrammarConstraint
 

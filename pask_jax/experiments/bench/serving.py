@@ -3,7 +3,7 @@
     pask-jax bench serving --quick --out /tmp/serving_quick.json      # a few minutes on 2 CPU cores
     pask-jax bench serving --out results/serving.json                 # the full grid (an accelerator)
 
-What is measured. For every workload (`pask_jax.bench.workloads`: `bfcl`, or long-context `<N>k` / `<N>`), every
+What is measured. For every workload (`bench.workloads`: `bfcl`, or long-context `<N>k` / `<N>`), every
 method at every budget (Full KV once, at b = 1):
 
 - The KV-memory limit of a workload is the cache Full KV allocates at `--memory-batch` sequences
@@ -59,10 +59,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from pask_jax.bench.machine import code_state, compiles_so_far, device_peak_bytes, machine_info
-from pask_jax.bench.stream import SCHEDULERS, Stream, bench_stream, format_stream_table, plot_stream, stream_result
-from pask_jax.bench.workloads import Workload, build_workload, workload_tokens
 from pask_jax.engine import NEW_TOKEN_BUCKET, BatchShape, Engine, SamplingConfig, new_token_bucket
+from pask_jax.experiments.bench.machine import code_state, compiles_so_far, device_peak_bytes, machine_info
+from pask_jax.experiments.bench.stream import (
+    SCHEDULERS,
+    Stream,
+    bench_stream,
+    format_stream_table,
+    plot_stream,
+    stream_result,
+)
+from pask_jax.experiments.bench.workloads import Workload, build_workload, workload_tokens
 from pask_jax.factory import make_engine
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.models.tokenizer import Tokenizer
@@ -463,7 +470,7 @@ def run_stream_benchmark(
     progress: Callable[[str], None] = lambda msg: None,
     command: str = "",
 ) -> dict:
-    """`--scheduler`: every workload as a request stream (`pask_jax.bench.stream`), rows stopping at EOS."""
+    """`--scheduler`: every workload as a request stream (`pask_jax.experiments.bench.stream`), rows stopping at EOS."""
     cfg = dataclasses.replace(cfg, stop_at_eos=True)  # natural answer lengths
     compiles_so_far()
     setup = load_setup(cfg)
@@ -636,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scheduler",
         help="comma-separated static,continuous: serve each workload as a request stream with natural answer "
-        "lengths under each scheduler (pask_jax.bench.stream) instead of fixed-length batches",
+        "lengths under each scheduler (pask_jax.experiments.bench.stream) instead of fixed-length batches",
     )
     p.add_argument(
         "--prefill-rows",

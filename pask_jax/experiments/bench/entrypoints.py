@@ -23,15 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from pask_jax import bfcl
-from pask_jax.bench.machine import machine_info
+from pask_jax.experiments import bfcl
+from pask_jax.experiments.bench.machine import machine_info
 
 DEFAULT_CATEGORIES = ("simple_python", "multiple", "live_simple", "live_multiple")
 
 
 def _run_side(llm, items: list[dict], max_tokens: int, workdir: Path, tag: str) -> dict:
     from pask_jax.batch import run_batch
-    from pask_jax.requests import bfcl_request_body
+    from pask_jax.experiments.bfcl.prompt import bfcl_request_body
 
     requests = workdir / f"requests_{tag}.jsonl"
     output = workdir / f"output_{tag}.jsonl"
@@ -53,7 +53,7 @@ def _run_side(llm, items: list[dict], max_tokens: int, workdir: Path, tag: str) 
 
 
 def _bfcl_side(llm, cfg, policies: dict) -> dict:
-    from pask_jax.evaluate import run_bfcl
+    from pask_jax.experiments.bfcl.evaluate import run_bfcl
 
     start = time.perf_counter()
     result = run_bfcl(llm.model, llm.tokenizer, llm.model_name, cfg, policies=policies)
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown or args.per_category < 1 or args.repeats < 1:
         parser.error(f"unknown categories {unknown}" if unknown else "--per-category and --repeats must be >= 1")
 
-    from pask_jax.evaluate import EvalConfig
+    from pask_jax.experiments.bfcl.evaluate import EvalConfig
     from pask_jax.llm import LLM
 
     llm = LLM(args.model, method=args.method, budget=args.budget, policy=args.policy, max_batch=args.batch_size)

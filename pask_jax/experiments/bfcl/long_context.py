@@ -20,8 +20,8 @@ import json
 
 import numpy as np
 
-from pask_jax import bfcl
-from pask_jax.models.chat_template import bfcl_python_functions, format_tool_prompt
+from pask_jax.experiments import bfcl
+from pask_jax.experiments.bfcl.prompt import bfcl_python_functions, format_tool_prompt
 from pask_jax.models.tokenizer import Tokenizer
 
 LAYOUTS = ("question_last", "question_first")

@@ -2,7 +2,7 @@
 
 - `bfcl`: the first `pool` evaluation items taken round-robin over the BFCL categories, each prompt with its own
   tools and its own grammar.
-- `<N>k` / `<N>` (e.g. `2k`, `512`): long-context prompts where the KV cache dominates (`pask_jax.long_context`): one
+- `<N>k` / `<N>` (e.g. `2k`, `512`): long-context prompts where the KV cache dominates (`bfcl.long_context`): one
   BFCL question whose tools list carries distractor functions until the prompt reaches N tokens (at most N, so every
   prompt falls in the N-token length bucket). The grammar allows the item's own functions only: for speed, the
   distractors lengthen the context, not the grammar.
@@ -15,10 +15,10 @@ import dataclasses
 
 import numpy as np
 
-from pask_jax import bfcl
 from pask_jax.engine import length_bucket
-from pask_jax.long_context import long_context_prompt
-from pask_jax.models.chat_template import bfcl_prompt, bfcl_python_functions, format_tool_prompt
+from pask_jax.experiments import bfcl
+from pask_jax.experiments.bfcl.long_context import long_context_prompt
+from pask_jax.experiments.bfcl.prompt import bfcl_prompt, bfcl_python_functions, format_tool_prompt, prepare_tool_prompt
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.requests import RequestBuilder
 from pask_jax.structure import CompiledGrammar
@@ -83,7 +83,7 @@ def _from_texts(name: str, description: str, tokenizer: Tokenizer, entries: list
     builder, rows = RequestBuilder(tokenizer, None), []
     for item, text, tools in entries:
         own = bfcl_python_functions(item["function"])
-        prepared = builder.prepare_tool_prompt(item["question"][0], tools, grammar_functions=own)
+        prepared = prepare_tool_prompt(builder, item["question"][0], tools, grammar_functions=own)
         if prepared.text != text:
             raise ValueError(f"{item['id']}: the workload's prompt is not BFCL's prompt over its tools")
         rows.append((prepared.ids, prepared.roles, prepared.grammar, item["id"]))

@@ -1,6 +1,6 @@
 """Plot a `pask-jax niah` results JSON: depth x length heat maps per method, and accuracy against the KV budget.
 
-python scripts/plot_niah.py results/niah.json [--budget 0.03] [--haystack noise] [--mode free]
+python -m tools.plot_niah results/niah.json [--budget 0.03] [--haystack noise] [--mode free]
 
 Writes beside the JSON:
 - `<stem>_heatmap_b<budget>_<haystack>_<mode>.png` for each budget, haystack and answer mode in the file (or those

@@ -41,4 +41,4 @@ def main(argv: list[str] | None = None):
         given = f"unknown benchmark {argv[0]!r}" if argv else "no benchmark named"
         print(f"{USAGE}\n\npask-jax bench: error: {given}", file=sys.stderr)
         raise SystemExit(2)
-    return importlib.import_module(f"pask_jax.bench.{argv[0]}").main(argv[1:])
+    return importlib.import_module(f"pask_jax.experiments.bench.{argv[0]}").main(argv[1:])

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import jax
 
-from pask_jax.bench.machine import code_state, machine_info
+from pask_jax.experiments.bench.machine import code_state, machine_info
 
 TINY = "tiny"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"

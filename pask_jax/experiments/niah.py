@@ -53,7 +53,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, SamplingConfig, generate_shared
-from pask_jax.evaluate import EvalConfig, build_engines, resolve_spec
+from pask_jax.experiments.bfcl.evaluate import EvalConfig, build_engines
+from pask_jax.factory import resolve_spec
 from pask_jax.methods import METHODS
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import Tokenizer
@@ -421,7 +422,8 @@ def score_answer(text: str, number: str, mode: str) -> tuple[str | None, bool]:
 def spec_settings(spec: str, method_config: Mapping[str, dict], policies: Mapping[str, PersistencePolicy]) -> dict:
     """What a method spec runs with, as `evaluate.build_engines` resolves it: its hyper-parameter overrides and its
     policy's content hash (recorded, and compared when a run resumes a results file)."""
-    _, overrides, policy = resolve_spec(spec, method_config, policies)
+    resolved = resolve_spec(spec, method_config, policies)
+    overrides, policy = resolved.overrides, resolved.policy
     return {"overrides": overrides, "policy": policy.content_hash() if policy is not None else None}
 
 
@@ -435,7 +437,7 @@ def check_methods(
     answer one of the budgets, and (given the model's `fingerprint`) a policy calibrated for another model."""
     for spec in cfg.methods:
         try:
-            _, _, policy = resolve_spec(spec, method_config, policies)
+            policy = resolve_spec(spec, method_config, policies).policy
         except ValueError as exc:
             raise NiahError(str(exc)) from None
         if policy is None:

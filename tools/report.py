@@ -1,15 +1,15 @@
-"""The tables of docs/RESULTS.md, computed from the committed results files, and paired statistics for two methods
-scored on the same items.
+"""The tables of the results documents (docs/results/*.md), computed from the committed results files, and paired
+statistics for two methods scored on the same items.
 
 A table sits in the document between ``<!-- table:NAME -->`` and ``<!-- /table -->``; ``TABLES`` maps every NAME
 to the function that renders it (a claim sentence with its numbers, then a Markdown table) from the files under the
 repository root. ``render_tables`` rewrites every block from its files and leaves the text around the blocks as it
 is; ``stale_tables`` names the blocks whose text differs from what their files give (what
-``python scripts/results_tables.py --check`` reports).
+``python -m tools.results_tables --check`` reports).
 
 Paired statistics over items: ``paired_bootstrap_ci`` (percentile interval of an accuracy difference, items
 resampled with replacement, fixed seed) and ``mcnemar_exact_p`` (two-sided exact binomial test on the discordant
-items). Standard library only, plus ``pask_jax.bfcl`` (the split rule, BFCL's means, the items' tool sets; it loads
+items). Standard library only, plus ``experiments.bfcl`` (the split rule, BFCL's means, the items' tool sets; it loads
 no JAX) and, for one table, the role names of ``pask_jax.structure.roles``.
 """
 
@@ -25,8 +25,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pask_jax import bfcl
-from pask_jax.protocol import choose_variants, dev_totals, method_of
+from pask_jax.experiments import bfcl
+from pask_jax.experiments.bfcl.protocol import choose_variants, dev_totals, method_of
 
 RESAMPLES = 10_000
 SEED = 0
@@ -1208,8 +1208,23 @@ def render_tables(doc: str, root: Path) -> str:
     return BLOCK.sub(lambda m: f"<!-- table:{m.group(1)} -->\n{TABLES[m.group(1)](root)}\n{CLOSING}", doc)
 
 
-def stale_tables(doc: str, root: Path) -> list[str]:
-    """Names of the blocks whose text differs from what their files give, then of the known tables `doc` lacks."""
+def stale_tables(doc: str, root: Path, *, every_table: bool = True) -> list[str]:
+    """Names of the blocks whose text differs from what their files give, then (with `every_table`) of the known
+    tables `doc` lacks."""
     blocks = table_blocks(doc)
     stale = [name for name, text in blocks.items() if text != TABLES[name](root) + "\n"]
-    return stale + [f"{name} (missing)" for name in TABLES if name not in blocks]
+    return stale + ([f"{name} (missing)" for name in TABLES if name not in blocks] if every_table else [])
+
+
+def stale_in_documents(docs: dict[str, str], root: Path) -> list[str]:
+    """`stale_tables` over several documents (name -> text) that share the tables between them: each block checked
+    where it stands, a table in two documents an error, one in none reported missing."""
+    where: dict[str, str] = {}
+    stale = []
+    for doc_name, text in docs.items():
+        for name in table_blocks(text):
+            if name in where:
+                raise ReportError(f"table {name!r} appears in both {where[name]} and {doc_name}")
+            where[name] = doc_name
+        stale += [f"{doc_name}: {name}" for name in stale_tables(text, root, every_table=False)]
+    return stale + [f"{name} (missing)" for name in TABLES if name not in where]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pask_jax.evaluate import item_stats, summarize_runs
+from pask_jax.experiments.bfcl.evaluate import item_stats, summarize_runs
 
 
 def merge(results: list[dict], methods: set[str] | None = None, replace: bool = False) -> dict:

@@ -21,7 +21,7 @@ Each is jitted, warmed up, and timed as the median of N runs. Writes JSON with m
     pask-jax bench kernel [--quick] [--out results/bench_kernel.json]
     pask-jax bench kernel --kernel gpu [--quick] [--dtype bfloat16] [--out results/bench_kernel_gpu.json]
 
-(or ``python -m pask_jax.bench.kernel ...``).
+(or ``python -m pask_jax.experiments.bench.kernel ...``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,285 @@
+"""The experiments' subcommands, registered on the command line by `pask_jax.cli`: `bfcl`, `niah`, `bench`, and
+BFCL's calibration part as a source for `calibrate` (its `--per-category`, `--split-rule` and `--target`).
+
+Each subcommand's `check` is its front door (`pask_jax.arguments`): bad arguments end there, before anything loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pask_jax.arguments import (
+    UsageError,
+    budget_list,
+    input_file,
+    int_at_least,
+    int_list,
+    method_specs,
+    output_file,
+    policy_dir,
+)
+from pask_jax.experiments.bfcl import CATEGORIES, SPLIT_RULE, SPLIT_RULES, SPLITS
+from pask_jax.models.fetch import enable_compile_cache
+
+
+def check_bfcl(args: argparse.Namespace) -> None:
+    method_specs(args.methods, "--methods")
+    if args.categories != "all":
+        unknown = [c for c in args.categories.split(",") if c not in CATEGORIES]
+        if unknown:
+            raise UsageError(f"--categories: unknown {', '.join(map(repr, unknown))}; known: {', '.join(CATEGORIES)}")
+    for entry in args.policy or []:
+        policy_dir(entry.rpartition("=")[2], f"--policy {entry}")
+    if args.method_config:
+        input_file(args.method_config, "--method-config")
+    if args.out:
+        output_file(args.out, "--out")
+
+
+def check_niah(args: argparse.Namespace) -> None:
+    for entry in args.policy or []:
+        label, _, path = entry.rpartition("=")
+        if path and label != "pask":  # a malformed entry: niah.parse_policies names the form, before any loading
+            policy_dir(path, f"--policy {entry}")
+    if args.method_config:
+        input_file(args.method_config, "--method-config")
+    output_file(args.out, "--out")
+
+
+def cmd_bfcl(args: argparse.Namespace) -> None:
+    """Grammar-constrained BFCL evaluation; prints a table and writes the full JSON."""
+    from pask_jax import load_model, load_tokenizer
+    from pask_jax.experiments.bfcl.evaluate import EvalConfig, format_table, run_bfcl
+    from pask_jax.factory import resolve_spec
+
+    categories = CATEGORIES if args.categories == "all" else tuple(args.categories.split(","))
+    cfg = EvalConfig(
+        methods=tuple(args.methods.split(",")),
+        budgets=tuple(float(b) for b in str(args.budget).split(",")),
+        categories=categories,
+        offset=args.offset,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        framing=args.framing,
+        split=args.split,
+        split_rule=args.split_rule,
+        context=args.context,
+        layout=args.layout,
+        **({"length_buckets": tuple(int(n) for n in args.length_buckets.split(","))} if args.length_buckets else {}),
+    )
+    from pask_jax.methods import load_method_config
+    from pask_jax.policy import PersistencePolicy
+
+    method_config = load_method_config(args.method_config)
+    policies = {}
+    for entry in args.policy or []:
+        label, _, path = entry.rpartition("=")
+        policies[label or "pask"] = PersistencePolicy.load(path)
+    for spec in cfg.methods:  # an unknown NAME:LABEL: before the model loads
+        resolve_spec(spec, method_config, policies)
+    if "pask" in cfg.methods and "pask" not in policies:
+        print("note: --methods pask without --policy runs PASK uncalibrated (recency + sinks)", file=sys.stderr)
+    enable_compile_cache()
+    model = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    out = Path(args.out) if args.out else None
+
+    def save(result: dict) -> None:  # after every category, so a long run keeps what it measured
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    result = run_bfcl(
+        model,
+        tokenizer,
+        args.model,
+        cfg,
+        method_config=method_config,
+        policies=policies,
+        on_category=save if out else None,
+    )
+    print(format_table(result, categories))
+    if out:
+        print(f"wrote {out}", file=sys.stderr)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    """`pask-jax bench serving|decode|kernel ...`: the benchmarks in `experiments.bench`, each with its own flags."""
+    from pask_jax.experiments.bench import main as bench_main
+
+    bench_main(args.args)
+
+
+def cmd_niah(args: argparse.Namespace) -> None:
+    """Needle-in-a-haystack retrieval per (method, budget, length, depth, haystack, mode): a table and a resumable
+    results JSON (`python -m tools.plot_niah` draws it)."""
+    from pask_jax.experiments import niah
+
+    policy_paths = niah.parse_policies(args.policy or [])
+    methods = niah.parse_names(args.methods, "methods")
+    methods += tuple(spec for spec in (f"pask:{label}" for label in policy_paths) if spec not in methods)
+    cfg = niah.NiahConfig(
+        methods=methods,
+        budgets=niah.parse_floats(args.budgets, "budget"),
+        lengths=niah.parse_lengths(args.lengths),
+        depths=niah.parse_floats(args.depths, "depth"),
+        haystacks=niah.parse_names(args.haystacks, "haystacks"),
+        modes=niah.parse_names(args.modes, "modes"),
+        seed=args.seed,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        num_groups=args.groups,
+    )  # every list checked before anything loads
+    from pask_jax.methods import load_method_config
+    from pask_jax.models.chat_template import load_chat_template
+    from pask_jax.models.fetch import resolve_model_path
+    from pask_jax.models.loading import load_config, load_model
+    from pask_jax.models.tokenizer import load_tokenizer_from_path
+    from pask_jax.policy import ModelFingerprint, PersistencePolicy
+    from pask_jax.requests import RequestBuilder
+
+    policies = {label: PersistencePolicy.load(path) for label, path in policy_paths.items()}
+    method_config = load_method_config(args.method_config)
+    path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer_from_path(path)
+    niah.check_methods(cfg, method_config, policies, ModelFingerprint.of(load_config(args.model), tokenizer))
+    template = load_chat_template(path)
+    if template is None:
+        raise niah.NiahError(f"{args.model} ships no chat template, which the prompts are rendered with")
+    out = Path(args.out)
+    niah.read_results(out, niah.run_config(cfg, args.model, template.name, method_config, policies))
+    prompts = niah.build_prompts(RequestBuilder(tokenizer, template), cfg)  # tokens only: no model yet
+    enable_compile_cache()
+    result = niah.run_niah(
+        load_model(args.model),
+        tokenizer,
+        prompts,
+        cfg,
+        model_name=args.model,
+        template_name=template.name,
+        method_config=method_config,
+        policies=policies,
+        out=out,
+    )
+    print(niah.format_table(result))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def check_calibration_suite(args: argparse.Namespace) -> None:
+    """`calibrate`'s BFCL flags: only without --data, and --dev-fraction only with it."""
+    if args.data and (args.per_category is not None or args.split_rule is not None or args.target == "canonical"):
+        raise UsageError(
+            "--per-category, --split-rule and --target canonical are for BFCL calibration; --data calibrates on "
+            "your requests against the model's own answers"
+        )
+    if args.dev_fraction is not None and not args.data:
+        raise UsageError("--dev-fraction splits --data; BFCL has its own split (--split-rule)")
+
+
+def add_calibration_suite_options(p: argparse.ArgumentParser) -> None:
+    """`calibrate` without --data or --stats calibrates on BFCL's calibration part: its flags."""
+    p.add_argument("--per-category", type=int_at_least(1), help="(BFCL) calibration items per category (default 8)")
+    p.add_argument("--split-rule", choices=SPLIT_RULES, help=f"(BFCL) which calibration part (default {SPLIT_RULE})")
+    p.add_argument(
+        "--target",
+        choices=("own", "canonical"),
+        help="(BFCL) teacher-forced call: the model's own full-KV call (default; always for --data), or the rendered "
+        "ground truth",
+    )
+
+
+def calibrate_on_suite(args: argparse.Namespace, llm, options: dict):
+    """Calibration statistics on BFCL's calibration part, as `calibrate`'s flags ask."""
+    from pask_jax.experiments.bfcl.calibration import calibrate, calibration_items
+
+    rule = args.split_rule or SPLIT_RULE
+    items = calibration_items(8 if args.per_category is None else args.per_category, rule=rule)
+    return calibrate(llm.model, llm.tokenizer, items, target=args.target or "own", rule=rule, **options)
+
+
+def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
+    """Register `bfcl`, `niah` and `bench` on the command line's subparsers."""
+    p = sub.add_parser("bfcl", help="score methods on BFCL (evaluation split) with grammar-constrained decoding")
+    p.add_argument("--model", default=default_model)
+    p.add_argument(
+        "--methods",
+        default="full",
+        help="comma-separated: full,random,streamingllm,h2o,snapkv,pyramidkv,dapq,pask; pask:LABEL = PASK under "
+        "the policy given as --policy LABEL=PATH",
+    )
+    p.add_argument("--budget", default="1.0", type=budget_list, help="total KV budget(s) in (0, 1], comma-separated")
+    p.add_argument("--categories", default="all", help="'all' or comma-separated BFCL categories")
+    p.add_argument("--offset", type=int_at_least(0), default=0, help="first item of each category (of the split)")
+    p.add_argument("--limit", type=int_at_least(1), default=25, help="items per category")
+    p.add_argument(
+        "--split",
+        default="evaluation",
+        choices=SPLITS,
+        help="evaluation items (reported results), or dev items (for choosing hyper-parameters)",
+    )
+    p.add_argument(
+        "--split-rule",
+        default=SPLIT_RULE,
+        choices=SPLIT_RULES,
+        help="schema: parts share no tool set or live group (default); item-hash: the earlier per-item split, to "
+        "reproduce results scored under it",
+    )
+    p.add_argument("--batch-size", type=int_at_least(1), default=8)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=256)
+    p.add_argument("--framing", default="tool_call", choices=["tool_call", "json_fence"])
+    p.add_argument(
+        "--context",
+        type=int_at_least(0),
+        default=0,
+        help="> 0: long prompts of at most this many tokens, each item's tools among distractor tools, every tool "
+        "in the grammar",
+    )
+    p.add_argument("--layout", default="question_last", choices=["question_last", "question_first"])
+    p.add_argument(
+        "--length-buckets",
+        type=int_list,
+        help="comma-separated prompt lengths prefill pads to (default: the engine's, 1.5x apart); fewer buckets, "
+        "fewer compiles per method",
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        help="compiled PASK policy directory (from `pask-jax calibrate`), for method pask; LABEL=PATH for pask:LABEL "
+        "(repeatable)",
+    )
+    p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
+    p.add_argument("--out", help="write the full results JSON here")
+    p.set_defaults(func=cmd_bfcl, check=check_bfcl)
+    p = sub.add_parser("niah", help="needle-in-a-haystack retrieval for every method at the same KV budgets")
+    p.add_argument("--model", default=default_model)
+    p.add_argument(
+        "--methods",
+        default="full,dapq,snapkv,pyramidkv,h2o,streamingllm,pask",
+        help="comma-separated method specs (pask: uncalibrated); each --policy adds pask:LABEL",
+    )
+    p.add_argument("--budgets", default="0.03,0.1,0.2", help="total KV budgets in (0, 1], comma-separated")
+    p.add_argument("--lengths", default="2k,4k,8k", help="prompt lengths in tokens (k = 1024), comma-separated")
+    p.add_argument(
+        "--depths", default="0,10,20,30,40,50,60,70,80,90,100", help="needle depths, percent of the haystack"
+    )
+    p.add_argument("--haystacks", default="noise,prose", help="noise (repeated filler) and/or prose (Python's docs)")
+    p.add_argument("--modes", default="free,json", help="free (text) and/or json (grammar-constrained) answers")
+    p.add_argument("--seed", type=int, default=0, help="draws every needle's key and number")
+    p.add_argument("--batch-size", type=int, default=4, help="prompts per shared prefill")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--groups", type=int, default=4, help="layer groups (a policy's own groups win)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        help="[LABEL=]PATH: a compiled PASK policy, run as method pask:LABEL (default label: calibrated); repeatable",
+    )
+    p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
+    p.add_argument("--out", required=True, help="results JSON; an existing one is resumed (only missing cells run)")
+    p.set_defaults(func=cmd_niah, check=check_niah)
+    # prefix "+": every "--flag" after `bench` is passed through to the script's own parser (`pask-jax bench --help`)
+    p = sub.add_parser("bench", help="benchmarks: serving | decode | kernel", prefix_chars="+", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="a benchmark and its flags (`pask-jax bench serving --help`)")
+    p.set_defaults(func=cmd_bench)
