@@ -184,9 +184,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if stats.n_items == 0:
         reasons = sorted(set(stats.skipped.values()))[:3]
         raise ValueError(f"no item was calibrated ({len(stats.skipped)} skipped: {reasons}); no policy written")
-    ran_with = {
-        k: v for k, v in vars(args).items() if k not in ("command", "func", "check") and v is not None
-    }  # the record
+    # the record of the run: every flag given, without argparse's own entries
+    ran_with = {k: v for k, v in vars(args).items() if k not in ("command", "func", "check") and v is not None}
     policy = compile_policy(
         stats,
         budgets,

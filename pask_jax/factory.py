@@ -30,10 +30,6 @@ class MethodSpec:
     overrides: Mapping = dataclasses.field(default_factory=dict)  # hyper-parameters over the dataclass defaults
     policy: PersistencePolicy | None = None  # PASK's policy (None: uncalibrated, or not PASK)
 
-    @property
-    def spec(self) -> str:
-        return f"{self.name}:{self.label}" if self.label else self.name
-
 
 def resolve_spec(
     spec: str, method_config: Mapping[str, dict], policies: Mapping[str, PersistencePolicy] | None = None

@@ -422,9 +422,11 @@ def score_answer(text: str, number: str, mode: str) -> tuple[str | None, bool]:
 def spec_settings(spec: str, method_config: Mapping[str, dict], policies: Mapping[str, PersistencePolicy]) -> dict:
     """What a method spec runs with, as `evaluate.build_engines` resolves it: its hyper-parameter overrides and its
     policy's content hash (recorded, and compared when a run resumes a results file)."""
-    resolved = resolve_spec(spec, method_config, policies)
-    overrides, policy = resolved.overrides, resolved.policy
-    return {"overrides": overrides, "policy": policy.content_hash() if policy is not None else None}
+    method = resolve_spec(spec, method_config, policies)
+    return {
+        "overrides": method.overrides,
+        "policy": method.policy.content_hash() if method.policy is not None else None,
+    }
 
 
 def check_methods(

@@ -85,20 +85,20 @@ def load(model: str, methods: tuple[str, ...], budget: float):
     """model -> ({method: engine}, LLM or None); the engines share the LLM's loaded weights."""
     from pask_jax.factory import make_engine
 
+    def budget_of(method: str) -> float:  # full KV keeps everything: its budget is 1
+        return 1.0 if method == "full" else budget
+
     if model == TINY:
         from flax import nnx
 
         from pask_jax.models.qwen3 import ModelConfig, Qwen3
 
         qwen = Qwen3(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(0))
-        return {m: make_engine(qwen, m, 1.0 if m == "full" else budget) for m in methods}, None
+        return {m: make_engine(qwen, m, budget_of(m)) for m in methods}, None
     from pask_jax.llm import LLM
 
     llm = LLM(model, method="pask", budget=budget)
-    engines = {
-        m: make_engine(llm.model, m, 1.0 if m == "full" else budget, policy=llm.policy if m == "pask" else None)
-        for m in methods
-    }
+    engines = {m: make_engine(llm.model, m, budget_of(m), policy=llm.policy if m == "pask" else None) for m in methods}
     return engines, llm
 
 

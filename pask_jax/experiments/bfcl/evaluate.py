@@ -175,16 +175,15 @@ def build_engines(
     section, then the spec's own section."""
     engines = {}
     for spec in cfg.methods:
-        resolved = resolve_spec(spec, method_config, policies)
-        name, overrides, policy = resolved.name, resolved.overrides, resolved.policy
-        for budget in cfg.budgets if name != "full" else (1.0,):  # full KV ignores the budget: run it once
+        method = resolve_spec(spec, method_config, policies)
+        for budget in cfg.budgets if method.name != "full" else (1.0,):  # full KV ignores the budget: run it once
             engines[(spec, budget)] = make_engine(
                 model,
-                name,
+                method.name,
                 budget,
-                policy=policy,
-                overrides=overrides,
-                num_groups=None if policy is not None else cfg.num_groups,
+                policy=method.policy,
+                overrides=method.overrides,
+                num_groups=None if method.policy is not None else cfg.num_groups,
                 stop_token_ids=tokenizer.eos_token_ids,
                 length_buckets=cfg.length_buckets,
             )
