@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         default="pask",
         type=method_spec,
         help=f"{', '.join(METHOD_NAMES)}, or NAME:LABEL, a labelled variant of the method config "
-        "(e.g. pask:dapq_tier_request, the long-prompt dev choice)",
+        "(e.g. pask:v1, the first PASK)",
     )
     p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
     p.add_argument("--budget", type=budget_value, default=0.33, help="total KV budget in (0, 1] (full KV: 1)")

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from pask_jax.policy_compiler import CalibrationStats, CompileOptions, PolicyError, PolicyTable, compile_tables
-from pask_jax.structure.roles import TAXONOMY_VERSION, num_roles, role_names
+from pask_jax.structure.roles import ROLE_UPGRADES, TAXONOMY_VERSION, role_names, taxonomy_roles, upgrade_rows
 
 POLICY_FORMAT = "pask-policy-v1"
 SHIPPED_POLICIES = Path(str(importlib.resources.files("pask_jax") / "policies"))
@@ -65,6 +65,13 @@ class ModelFingerprint:
             vocab_hash=vocabulary_hash(tokenizer),
         )
 
+    def accepts(self, model: ModelFingerprint) -> bool:
+        """Whether a policy fitting this fingerprint runs on `model`: the same model and tokenizer, and a role
+        taxonomy this version reads (the current one, or an older one whose added roles have stand-ins)."""
+        upgradable = model.taxonomy == TAXONOMY_VERSION and self.taxonomy in ROLE_UPGRADES
+        readable = self.taxonomy == model.taxonomy or upgradable
+        return readable and dataclasses.replace(self, taxonomy=model.taxonomy) == model
+
     def describe(self) -> str:
         return (
             f"{self.architecture}, {self.num_layers} layers, {self.num_heads}/{self.num_kv_heads} heads of "
@@ -93,10 +100,24 @@ class PersistencePolicy:
     fits: ModelFingerprint | None = None
     stats: CalibrationStats | None = None  # what the tables were compiled from (None: only `tables` are answered)
     compile_options: CompileOptions | None = None  # how (None: not recorded; defaults when statistics are present)
-    _compiled_on_load: dict[float, PolicyTable] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    # tables compiled from the statistics (by budget) and, for an older taxonomy, the tables answered (by key)
+    _compiled_on_load: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     def table(self, budget: float) -> PolicyTable:
-        """The table for `budget`: a stored one, else one compiled from the statistics (PolicyError without them)."""
+        """The table for `budget` over the current role ids (a policy of an older taxonomy answers the roles added
+        since with their stand-ins' rows, `ROLE_UPGRADES`): a stored one, else one compiled from the statistics
+        (PolicyError without them)."""
+        t = self._table(budget)
+        if self.taxonomy == TAXONOMY_VERSION:
+            return t
+        key = ("upgraded", round(float(budget), 9))
+        if key not in self._compiled_on_load:
+            rows = {name: upgrade_rows(getattr(t, name), self.taxonomy) for name in ("floor", "priority", "retain")}
+            self._compiled_on_load[key] = dataclasses.replace(t, **rows)
+        return self._compiled_on_load[key]
+
+    def _table(self, budget: float) -> PolicyTable:
+        """The table for `budget` in the policy's own taxonomy."""
         for t in self.tables:
             if abs(t.budget - budget) < 1e-9:
                 return t
@@ -113,7 +134,7 @@ class PersistencePolicy:
         key = round(float(budget), 9)
         if key not in self._compiled_on_load:
             (table,) = compile_tables(self.stats, [budget], self.compile_options or CompileOptions())
-            table.validate(num_roles(), self.groups)
+            table.validate(taxonomy_roles(self.taxonomy), self.groups)
             self._compiled_on_load[key] = table
         return self._compiled_on_load[key]
 
@@ -121,7 +142,7 @@ class PersistencePolicy:
         """Refuse a model this policy was not calibrated for, naming both fingerprints."""
         if self.fits is None:
             raise PolicyError(f"policy for {self.model!r} carries no model fingerprint: recompile it with this version")
-        if self.fits != fingerprint:
+        if not self.fits.accepts(fingerprint):
             raise PolicyError(
                 f"policy for {self.model!r} fits [{self.fits.describe()}], not this model [{fingerprint.describe()}]: "
                 "calibrate one for this model with `pask-jax calibrate`"
@@ -142,7 +163,7 @@ class PersistencePolicy:
         return digest.hexdigest()[:16]
 
     def summary(self) -> dict:
-        names = role_names()
+        names = role_names()[: taxonomy_roles(self.taxonomy)]
         return {
             "format": POLICY_FORMAT,
             "model": self.model,
@@ -231,8 +252,12 @@ class PersistencePolicy:
             stats=stats,
             compile_options=CompileOptions(**options) if options else (CompileOptions() if stats else None),
         )
+        try:
+            roles = taxonomy_roles(policy.taxonomy)
+        except ValueError as error:
+            raise PolicyError(f"{meta_path}: {error}") from None
         for t in tables:
-            t.validate(num_roles(), policy.groups)
+            t.validate(roles, policy.groups)
         if stats is not None:
             policy._check_statistics(directory)
         return policy
@@ -262,7 +287,7 @@ def find_shipped_policy(fingerprint: ModelFingerprint, root: Path = SHIPPED_POLI
     """The shipped policy calibrated for this model, found by fingerprint; PolicyError saying how to make one."""
     for meta_path in sorted(root.glob("*/policy.json")):
         fits = json.loads(meta_path.read_text()).get("fits")
-        if fits and ModelFingerprint(**fits) == fingerprint:
+        if fits and ModelFingerprint(**fits).accepts(fingerprint):
             return PersistencePolicy.load(meta_path.parent)
     raise PolicyError(
         f"no shipped PASK policy fits this model [{fingerprint.describe()}]: calibrate one with `pask-jax calibrate "

@@ -222,7 +222,7 @@ def test_workload_names_and_synthetic_prompts():
     assert lengths == sorted(lengths, reverse=True) and all(0.9 * 1024 <= n <= 1024 for n in lengths)
     assert w.prompt_bucket == 1024 and w.grammars is None
     for p, r in zip(w.prompts, w.roles, strict=True):
-        assert r[0] == Role.SINK and set(r[1:]) == {Role.USER_TEXT} and len(r) == len(p)
+        assert r[0] == Role.SINK and set(r[1:]) == {Role.REQUEST_TEXT} and len(r) == len(p)
     prompts, roles, grammars = w.take(5)  # a batch cycles through the pool
     assert prompts == [*w.prompts, *w.prompts[:2]] and roles == [*w.roles, *w.roles[:2]] and grammars is None
 

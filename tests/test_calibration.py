@@ -326,7 +326,7 @@ def test_end_to_end_real_bfcl_items():
     assert text.count("<tool_call>") == 2 and text.endswith("</tool_call><|im_end|>")  # two calls, then the end
     assert parallel.gold_roles[0] == Role.FRAMING and parallel.gold_roles[-1] == Role.END_OF_TURN
     assert {Role.FUNCTION_NAME, Role.ARG_KEY, Role.ARG_NUMBER} <= set(parallel.gold_roles.tolist())
-    assert parallel.prompt_roles[0] == Role.SINK and Role.USER_TEXT in parallel.prompt_roles
+    assert parallel.prompt_roles[0] == Role.SINK and Role.REQUEST_TEXT in parallel.prompt_roles
     # text consistency: where the gold tokenisation has "}}\n", the token "}}" stays on the gold text too
     t = next(i for i, g in enumerate(parallel.gold) if tokenizer.decode([int(g)]) == "}}\n")
     (braces,) = tokenizer.encode("}}")
@@ -342,8 +342,8 @@ def test_end_to_end_real_bfcl_items():
     stats = calibrate(model, tokenizer, items, target="canonical", **options)
     assert stats.n_items == 2 and not stats.skipped and stats.target == "canonical"
     assert stats.item_ids == [it["id"] for it, _ in items]
-    assert (stats.present[Role.USER_TEXT] == 2).all() and (stats.present[Role.END_OF_TURN] == 0).all()
-    assert (stats.distortion[Role.USER_TEXT] > 0).all()
+    assert (stats.present[Role.REQUEST_TEXT] == 2).all() and (stats.present[Role.END_OF_TURN] == 0).all()
+    assert (stats.distortion[Role.REQUEST_TEXT] > 0).all()
     own = calibrate(model, tokenizer, items, **options)  # the default target: the model's own full-KV call
     assert own.target == "own" and sorted(own.item_ids + list(own.skipped)) == sorted(stats.item_ids)
     assert all("unfinished" in why for why in own.skipped.values())  # a random model may not end its call

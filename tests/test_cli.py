@@ -107,16 +107,16 @@ def test_run_exit_status_counts_failed_lines(tmp_path: Path, capsys):
 
 
 def test_run_takes_a_labelled_variant_and_names_a_missing_one(tmp_path: Path, capsys):
-    args = argparse.Namespace(method="pask:dapq_tier_request", method_config=None, budget=0.2, policy="auto")
+    args = argparse.Namespace(method="pask:v1", method_config=None, budget=0.2, policy="auto")
     options = cli._llm_options(args)
     assert options["method"] == "pask" and options["policy"] == "auto"
-    assert options["method_overrides"] == {"sinks": 1, "rank": "dapq_tier", "system_as_user": True}
+    assert options["method_overrides"] == {"sinks": 1, "rank": "recency", "pooling": "none", "system_as_request": False}
     args.method = "snapkv"
     assert cli._llm_options(args)["method_overrides"] is None  # no variant, no config file: the method's defaults
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps(REQUEST) + "\n")
     err = usage_error(["run", "-i", str(inp), "-o", str(tmp_path / "o.jsonl"), "--method", "pask:nope"], capsys)
-    assert re.search("'pask:nope': a label must name .* the config's pask variants: pask:dapq_rank", err)
+    assert re.search("'pask:nope': a label must name .* the config's pask variants: pask:v1", err)
     err = usage_error(["run", "-i", "x", "-o", "y", "--method", "magic:w8"], capsys)
     assert "argument --method: unknown method 'magic:w8'" in err
 

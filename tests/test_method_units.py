@@ -279,7 +279,7 @@ def test_a_method_config_file_layers_on_the_packaged_defaults(tmp_path):
     path.write_text('[snapkv]\nwindow = 8\n["snapkv:avg"]\npooling = "avg"\n')
     packaged, layered = load_method_config(), load_method_config(path)
     assert layered["snapkv"] == packaged["snapkv"] | {"window": 8}  # kernel and pooling stay the packaged ones
-    assert layered["snapkv:avg"] == {"pooling": "avg"} and layered["pask:dapq_rank"] == packaged["pask:dapq_rank"]
+    assert layered["snapkv:avg"] == {"pooling": "avg"} and layered["pask:v1"] == packaged["pask:v1"]
     path.write_text("[snapkvv]\nwindow = 8\n")
     with pytest.raises(ValueError, match="unknown method"):
         load_method_config(path)
@@ -298,12 +298,12 @@ def _pask_prefill(method, roles: list[int], dapq: list[float]) -> np.ndarray:
     return np.asarray(method.prefill_scores(observed, ctx)[0])[0, 0]
 
 
-def test_pask_rank_and_system_as_user_options():
+def test_pask_rank_pooling_and_system_as_request_options():
     from pask_jax.methods.pask import POSITION_RANGE, TIER
 
     r = len(Role)
     floor, priority = np.zeros((r, 1)), np.zeros((r, 1))
-    floor[Role.USER_TEXT], priority[Role.USER_TEXT] = 1.0, 0.5
+    floor[Role.REQUEST_TEXT], priority[Role.REQUEST_TEXT] = 1.0, 0.5
     priority[Role.PARAM_NAME], priority[Role.DESCRIPTION] = 0.5, 0.25
     tables = dict(
         floor=tuple(map(tuple, floor)),
@@ -312,22 +312,44 @@ def test_pask_rank_and_system_as_user_options():
         group_fractions=(0.5,),
         layer_group=(0,),
     )
-    S, U, P, D = Role.SINK, Role.USER_TEXT, Role.PARAM_NAME, Role.DESCRIPTION
+    S, U, P, D = Role.SINK, Role.REQUEST_TEXT, Role.PARAM_NAME, Role.DESCRIPTION
     roles = [S, Role.SYSTEM_TEXT, Role.SYSTEM_TEXT, P, P, D, D, U]
     dapq = [0.0, 0.1, 0.2, 0.9, 0.1, 0.8, 0.3, 0.0]  # what the coming call attends to
     level = lambda score: np.floor(score / POSITION_RANGE)  # noqa: E731
 
-    recency = _pask_prefill(PaskKV(**tables), roles, dapq)
+    recency = _pask_prefill(PaskKV(**tables, rank="recency", system_as_request=False), roles, dapq)
     assert level(recency[1:3]).tolist() == [0, 0] and level(recency[7]) == TIER + 32  # system text: nothing
     assert recency[4] > recency[3] and recency[6] > recency[5]  # inside a level, the later entry stays
-    request = _pask_prefill(PaskKV(**tables, system_as_user=True), roles, dapq)
+    request = _pask_prefill(PaskKV(**tables, rank="recency"), roles, dapq)
     np.testing.assert_array_equal(level(request[1:3]), level(recency[7]))  # now floor-protected as the user's turn
-    ranked = _pask_prefill(PaskKV(**tables, rank="dapq"), roles, dapq)
+    ranked = _pask_prefill(PaskKV(**tables, rank="dapq", system_as_request=False), roles, dapq)
     assert ranked[3] > ranked[4] and ranked[5] > ranked[6]  # inside a level, DapQ's order
     assert ranked[4] > ranked[5]  # levels still first: a parameter name outranks every description
-    tier = _pask_prefill(PaskKV(**tables, rank="dapq_tier"), roles, dapq)
+    tier = _pask_prefill(PaskKV(**tables, system_as_request=False), roles, dapq)
     unprotected = [3, 4, 5, 6]
     assert sorted(unprotected, key=lambda i: tier[i]) == [4, 6, 5, 3]  # DapQ alone orders the unprotected
     assert tier[7] > tier[unprotected].max()  # the floor-protected user text stays above all of them
+    pooled = _pask_prefill(PaskKV(**tables, pooling="max", system_as_request=False), roles, dapq)
+    # max-pooled over 7 keys, entries 3-6 all see DapQ's 0.9: ties, broken by position
+    assert sorted(unprotected, key=lambda i: pooled[i]) == [3, 4, 5, 6]
     with pytest.raises(ValueError, match="rank"):
         PaskKV(rank="attention")
+    with pytest.raises(ValueError, match="pooling"):
+        PaskKV(pooling="sum")
+
+
+def test_a_v1_policy_scores_the_request_as_it_scored_user_text():
+    """The shipped policies are pask-roles-v1: a prompt labelled in v2 (the user's turn REQUEST_TEXT) gets the same
+    scores as its v1 labels (USER_TEXT) did, so the first PASK's results stand under the new labels."""
+    from pask_jax.policy import SHIPPED_POLICIES, PersistencePolicy
+
+    policy = PersistencePolicy.load(SHIPPED_POLICIES / "qwen2.5-coder-0.5b")
+    method = PaskKV.from_policy(policy, 0.33, rank="recency", system_as_request=False)
+    S, U, D, P = Role.SINK, Role.USER_TEXT, Role.DESCRIPTION, Role.PARAM_NAME
+    v1 = [S, D, D, P, U, U, U, D, U, U]
+    dapq = [0.0] * len(v1)
+    old = _pask_prefill(method, v1, dapq)
+    for stand_in in (Role.REQUEST_TEXT, Role.HISTORY_TEXT, Role.TOOL_RESULT):
+        np.testing.assert_array_equal(_pask_prefill(method, [stand_in if r == U else r for r in v1], dapq), old)
+    as_system = _pask_prefill(method, [Role.SYSTEM_TEXT if r == U else r for r in v1], dapq)
+    assert not np.array_equal(as_system, old)  # the user's text has its own floor in this policy

@@ -50,8 +50,8 @@ CASES: dict[str, Callable[[float], KVMethod]] = {
     "dapq_max_pooled": lambda budget: DapQ(num_pseudo=8, pooling="max"),
     "pask_policy": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget),
     "pask_policy_dapq_rank": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget, rank="dapq"),
-    "pask_policy_dapq_tier_request": lambda budget: PaskKV.from_policy(
-        SYNTHETIC_POLICY, budget, rank="dapq_tier", system_as_user=True
+    "pask_policy_v1": lambda budget: PaskKV.from_policy(
+        SYNTHETIC_POLICY, budget, rank="recency", system_as_request=False
     ),
 }
 

@@ -74,7 +74,7 @@ def test_the_prompt_fills_its_length_to_within_a_sentence(builder, haystack, len
         assert prompt.prepared.ids == builder.tokenizer.encode(prompt.prepared.text)
         roles = prompt.prepared.roles  # PASK's prompt roles: the whole message (haystack, needle) is the user's
         assert len(roles) == len(prompt.prepared.ids) and roles[0] == Role.SINK
-        assert sum(r == Role.USER_TEXT for r in roles) > prompt.haystack_tokens
+        assert sum(r == Role.REQUEST_TEXT for r in roles) > prompt.haystack_tokens
 
 
 def test_a_length_without_room_for_a_haystack_is_refused(builder):

@@ -16,14 +16,17 @@ token: no attention statistics. Scores stay exact in float32 (< 2**24) for posit
 
 Hyper-parameters:
 - `sinks`: first positions kept, as StreamingLLM's attention sinks (1 here, the SINK role).
-- `rank`: how prompt entries are ordered once the policy has placed them. "recency" (default): inside a level, by
-  position. "dapq": inside a level, by DapQ's position-aware pseudo-query scores instead of position (the prompt
-  part the coming call attends to). "dapq_tier": inside a tier, by DapQ's scores alone: the policy's floors still
-  protect their entries, and DapQ, not the calibrated priority, orders the rest of the prompt.
-- `system_as_user`: score a system message's text as USER_TEXT (its floor, priority and action). Calibration sees
-  a fixed system instruction, so SYSTEM_TEXT gets nothing; a user whose request sits in the system prompt needs it kept
-  like the user's turn.
-Without a policy (`PaskKV()`), every bucket is equal: recency with sinks.
+- `rank`: how prompt entries are ordered once the policy has placed them. "dapq_tier" (default): inside a tier, by
+  DapQ's position-aware pseudo-query scores alone (the prompt part the coming call attends to): the policy's floors
+  still protect their entries, and DapQ, not the calibrated priority, orders the rest of the prompt. "dapq": inside
+  a level, by DapQ's scores instead of position. "recency": inside a level, by position (the first PASK's rule).
+  The query-aware order needs no grammar, so free-text answers keep it too.
+- `pooling`: "none" (default) or "max" / "avg": DapQ's scores pooled along the keys (SnapKV's kernel of 7) before
+  they order entries.
+- `system_as_request`: score a system message's text as REQUEST_TEXT (the request's floor, priority and action),
+  default on. A system message either states the task or holds the request itself (a request placed before the
+  tools); calibration items carry a fixed instruction there, which would give SYSTEM_TEXT nothing.
+Without a policy (`PaskKV()`), every bucket is equal: the order alone decides, with sinks.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ POSITION_RANGE = 2**16
 PRIORITY_LEVELS = 64
 TIER = PRIORITY_LEVELS + 1  # levels per tier: 0 unprotected, 1 floor-protected prompt, 2 retained generated
 RANKS = ("recency", "dapq", "dapq_tier")
+POOLINGS = ("none", "max", "avg")
 
 Table = tuple[tuple[float, ...], ...]  # [R][G]
 
@@ -61,12 +65,15 @@ class PaskKV(KVMethod):
     budget: float | None = None  # the budget the tables were compiled for (None: no policy)
     release_window: int = 8
     sinks: int = 1
-    rank: str = "recency"  # or "dapq" / "dapq_tier"
-    system_as_user: bool = False
+    rank: str = "dapq_tier"  # or "dapq" / "recency"
+    pooling: str = "none"  # of the DapQ scores that order entries: or "max" / "avg"
+    system_as_request: bool = True
 
     def __post_init__(self) -> None:
         if self.rank not in RANKS:
             raise ValueError(f"PASK rank must be one of {RANKS}, not {self.rank!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"PASK pooling must be one of {POOLINGS}, not {self.pooling!r}")
 
     @classmethod
     def from_policy(cls, policy: PersistencePolicy, budget: float, **overrides) -> PaskKV:
@@ -111,8 +118,8 @@ class PaskKV(KVMethod):
     def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
         floor, priority, _ = self._bucket_tables(layer)
         roles = ctx.roles  # i32[B, T]
-        if self.system_as_user:
-            roles = jnp.where(roles == int(Role.SYSTEM_TEXT), int(Role.USER_TEXT), roles)
+        if self.system_as_request:
+            roles = jnp.where(roles == int(Role.SYSTEM_TEXT), int(Role.REQUEST_TEXT), roles)
         roles = jnp.where(ctx.positions < self.sinks, int(Role.SINK), roles)
         # Floors protect the most recent ceil(floor * n) entries of each (sequence, role): rank from the end.
         onehot = (roles[..., None] == jnp.arange(num_roles())) & ctx.valid[..., None]  # [B, T, R]
@@ -130,7 +137,7 @@ class PaskKV(KVMethod):
             return observed
         # Inside a level (or a tier), order prompt entries by DapQ's pseudo-query attention: its rank replaces the
         # position (and, for "dapq_tier", the priority).
-        pseudo = DapQ().prefill_scores([None] * len(observed), ctx)
+        pseudo = DapQ(pooling=self.pooling).prefill_scores([None] * len(observed), ctx)
         ranked = []
         for score, d in zip(observed, pseudo, strict=True):
             order = jnp.argsort(jnp.argsort(jnp.where(ctx.valid[:, None], d, -jnp.inf), axis=-1), axis=-1)

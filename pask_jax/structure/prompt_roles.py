@@ -4,8 +4,9 @@ The caller renders ``messages`` and ``tools`` with some template (a checkpoint's
 hands over the text with the same messages and tools. ``label_prompt`` finds, in that text, what the conversation put
 there and labels it per character; whatever is left is the template's own (TEMPLATE):
 
-- each message's text, located in order: a system (or developer) message SYSTEM_TEXT, a user message USER_TEXT, a
-  tool result USER_TEXT (external input, like the user's), an earlier assistant turn FREE_TEXT. A past tool call is
+- each message's text, located in order: a system (or developer) message SYSTEM_TEXT, the last user message
+  REQUEST_TEXT (the request the answer serves), earlier user messages HISTORY_TEXT, a tool result TOOL_RESULT, an
+  earlier assistant turn FREE_TEXT. A past tool call is
   also FREE_TEXT: its function name and its arguments JSON, wherever the template wrote them (the envelope around
   them, ``{"name": ``, ``"parameters": ``, ``<tool_call>``, is the template's). The generated-call roles (ARG_KEY,
   ...) are kept for what the model generates, whose roles come from the grammar's parser state. A text is looked for
@@ -47,10 +48,10 @@ from pask_jax.structure.roles import Role
 _CONTENT_ROLE = {
     "system": Role.SYSTEM_TEXT,
     "developer": Role.SYSTEM_TEXT,
-    "user": Role.USER_TEXT,
+    "user": Role.HISTORY_TEXT,  # the last user message: REQUEST_TEXT (`_content_roles`)
     "assistant": Role.FREE_TEXT,
-    "tool": Role.USER_TEXT,
-    "ipython": Role.USER_TEXT,  # Llama 3's name for a tool result
+    "tool": Role.TOOL_RESULT,
+    "ipython": Role.TOOL_RESULT,  # Llama 3's name for a tool result
 }
 _WS = " \t\r\n"
 # json.dumps layouts templates write tools in, tried verbatim before the general search (fast, and exact)
@@ -344,13 +345,23 @@ def _locate_text(text: str, piece: str, start: int, blocked: Sequence[Span]) -> 
     return None
 
 
+def _content_roles(messages: Sequence[Mapping]) -> list[Role]:
+    """The role of each message's text: by its author, the last user message REQUEST_TEXT."""
+    kinds = [message.get("role") if isinstance(message, Mapping) else None for message in messages]
+    for index, kind in enumerate(kinds):
+        if kind not in _CONTENT_ROLE:
+            raise ValueError(f"message {index}: role {kind!r} is not one of {sorted(_CONTENT_ROLE)}")
+    roles = [_CONTENT_ROLE[kind] for kind in kinds]
+    if "user" in kinds:
+        roles[len(kinds) - 1 - kinds[::-1].index("user")] = Role.REQUEST_TEXT
+    return roles
+
+
 def _label_messages(text: str, roles: np.ndarray, messages: Sequence[Mapping], blocked: Sequence[Span]) -> list[Span]:
     """Label each message's pieces, located in order outside ``blocked``; returns the spans labelled."""
     cursor, spans = 0, []
-    for index, message in enumerate(messages):
-        kind = message.get("role") if isinstance(message, Mapping) else None
-        if kind not in _CONTENT_ROLE:
-            raise ValueError(f"message {index}: role {kind!r} is not one of {sorted(_CONTENT_ROLE)}")
+    for index, (message, role) in enumerate(zip(messages, _content_roles(messages), strict=True)):
+        kind = message["role"]
         for piece in _message_pieces(index, message):
             if isinstance(piece, dict):
                 span = _locate_json_value(text, piece, cursor, blocked)
@@ -364,7 +375,7 @@ def _label_messages(text: str, roles: np.ndarray, messages: Sequence[Mapping], b
             start, end = span
             while end < len(text) and text[end] in _WS and not _overlaps(end, end + 1, blocked):
                 end += 1  # the whitespace the template writes right after a text belongs to it
-            roles[start:end] = _CONTENT_ROLE[kind]
+            roles[start:end] = role
             spans.append((start, end))
             cursor = end
     return spans

@@ -120,7 +120,7 @@ def synthetic_workload(name: str, vocab_size: int, pool: int, seed: int) -> Work
     lengths = rng.integers(64, 256, pool) if target is None else rng.integers(int(0.9 * target), target + 1, pool)
     prompts = sorted(([int(t) for t in rng.integers(1, vocab_size, n)] for n in lengths), key=len, reverse=True)
     ids = [f"synthetic-{i}" for i in range(pool)]
-    roles = [[Role.SINK] + [Role.USER_TEXT] * (len(p) - 1) for p in prompts]
+    roles = [[Role.SINK] + [Role.REQUEST_TEXT] * (len(p) - 1) for p in prompts]
     return Workload(name, f"synthetic random-token prompts ({name})", prompts, roles, None, ids)
 
 
