@@ -11,6 +11,8 @@ never depend on data. Which slots are live is ragged per (layer, sequence, KV he
 - `pos` holds each slot's original token position (-1 when free), so the XLA path can attend over
   the whole pool with a mask instead of gathering, and methods can reason about recency.
 - `role` holds each entry's structural role id (prompt or generated), for structure-aware methods.
+- `tool` holds, for a prompt entry inside an offered tool's definition, that tool's index (-1 otherwise), so a
+  method can let the tools not called go once the parser knows the called one.
 - `score` holds the method's keep-priority of each entry (attention mass, recency, policy priority...);
   the engine evicts the live entry the method ranks lowest.
 
@@ -93,6 +95,7 @@ class GroupCache:
     v: jax.Array  # f[Lg, B, K, C, H]
     pos: jax.Array  # i32[Lg, B, K, C]   original position of the slot's token, -1 if free
     role: jax.Array  # i32[Lg, B, K, C]  structural role id of the slot's token
+    tool: jax.Array  # i32[Lg, B, K, C]  index of the offered tool the slot's prompt token describes, -1 if none
     score: jax.Array  # f32[Lg, B, K, C] the method's keep-priority of the slot's entry
     table: jax.Array  # i32[Lg, B, K, C] slot permutation: first `length` live, rest free
     length: jax.Array  # i32[Lg, B, K]    live slots
@@ -121,6 +124,7 @@ class GroupCache:
             v=jnp.zeros((*shape, head_dim), dtype),
             pos=jnp.full(shape, -1, jnp.int32),
             role=jnp.zeros(shape, jnp.int32),
+            tool=jnp.full(shape, -1, jnp.int32),
             score=jnp.zeros(shape, jnp.float32),
             table=jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), shape),
             length=jnp.zeros(shape[:-1], jnp.int32),
@@ -137,6 +141,7 @@ class GroupCache:
             v=P(*rows, None, None),
             pos=P(*rows, None),
             role=P(*rows, None),
+            tool=P(*rows, None),
             score=P(*rows, None),
             table=P(*rows, None),
             length=P(*rows),
@@ -161,6 +166,7 @@ class GroupCache:
         keep: jax.Array,  # i32[B, K, n] prompt indices to keep, n <= C
         count: jax.Array,  # i32[B, K] how many of `keep` are real (the rest is padding)
         scores: jax.Array | None = None,  # f32[B, K, P] the method's prefill scores
+        tools: jax.Array | None = None,  # i32[B, P] the tool each prompt token describes (None: none)
     ) -> GroupCache:
         """Load the kept prompt entries of one layer into slots 0..count-1 (the cache must be empty)."""
         n = keep.shape[-1]
@@ -171,6 +177,9 @@ class GroupCache:
         live = jnp.arange(n) < count[..., None]  # [B, K, n]
         kept_pos = jnp.where(live, jnp.take_along_axis(positions[:, None], keep, axis=2), -1)
         kept_role = jnp.take_along_axis(roles[:, None], keep, axis=2)
+        kept_tool = (
+            jnp.full(keep.shape, -1, jnp.int32) if tools is None else jnp.take_along_axis(tools[:, None], keep, 2)
+        )
         kept_score = jnp.zeros(keep.shape, jnp.float32) if scores is None else jnp.take_along_axis(scores, keep, axis=2)
         return dataclasses.replace(
             self,
@@ -178,6 +187,7 @@ class GroupCache:
             v=self.v.at[layer, :, :, :n].set(kept_v.astype(self.v.dtype)),
             pos=self.pos.at[layer, :, :, :n].set(kept_pos),
             role=self.role.at[layer, :, :, :n].set(kept_role),
+            tool=self.tool.at[layer, :, :, :n].set(kept_tool),
             score=self.score.at[layer, :, :, :n].set(kept_score.astype(jnp.float32)),
             length=self.length.at[layer].set(count),
         )
@@ -205,6 +215,7 @@ class GroupCache:
             v=_set_slots(self.v, layer, slot, v.astype(self.v.dtype), self.axes),
             pos=_set_slots(self.pos, layer, slot, jnp.broadcast_to(position[:, None], per_head), self.axes),
             role=_set_slots(self.role, layer, slot, jnp.broadcast_to(role[:, None], per_head), self.axes),
+            tool=_set_slots(self.tool, layer, slot, jnp.full(per_head, -1, jnp.int32), self.axes),  # generated
             score=self.score if score is None else _set_slots(self.score, layer, slot, score, self.axes),
             length=self.length.at[layer].add(write.astype(jnp.int32)),
             overflow=self.overflow | jnp.any(enter & full),
@@ -236,7 +247,7 @@ class GroupCache:
         def put(x: jax.Array, y: jax.Array) -> jax.Array:  # axis 1 is the sequence in every per-row array
             return x.at[:, rows].set(y, mode="drop")
 
-        fields = ("k", "v", "pos", "role", "score", "table", "length")
+        fields = ("k", "v", "pos", "role", "tool", "score", "table", "length")
         return dataclasses.replace(
             self,
             **{name: put(getattr(self, name), getattr(other, name)) for name in fields},

@@ -42,6 +42,7 @@ from pask_jax.methods.base import PrefillContext, allowance_capacity
 from pask_jax.models.qwen3 import ModelConfig, Qwen3, attention, attention_probs
 from pask_jax.models.sharding import DATA, cache_axes, check_mesh, mesh_context, shard_model
 from pask_jax.structure.constraint import TokenConstraint
+from pask_jax.structure.roles import NO_TOOL
 
 # Prompt length buckets: steps of 1.5x keep padding under a third while bounding the number of compiles.
 DEFAULT_LENGTH_BUCKETS = (
@@ -191,6 +192,19 @@ class BatchShape:
                 roles[i, : len(p)] = prompt_roles[i]
         return tokens, lengths, roles
 
+    def pad_tools(self, prompt_tools: Sequence[Sequence[int] | None] | None) -> np.ndarray:
+        """The tool each prompt token describes, right-padded with NO_TOOL to this shape -> i32[B, T] (a None row:
+        describes no tool)."""
+        tools = np.full((self.padded_rows, self.prompt_bucket), NO_TOOL, np.int32)
+        if prompt_tools is None:
+            return tools
+        if len(prompt_tools) != self.rows:
+            raise ValueError(f"this shape holds {self.rows} prompts and as many tool lists, not {len(prompt_tools)}")
+        for i, row in enumerate(prompt_tools):
+            if row is not None:
+                tools[i, : len(row)] = row
+        return tools
+
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
@@ -248,18 +262,25 @@ class StepPlan:
             best = per_row_shards(lambda r, n=n_keep: jax.lax.top_k(r, n)[1].astype(jnp.int32), caches[g].axes)
             keep = best(ranked)  # [B, K, n_keep], best first (on a mesh: each device ranks its own rows)
             count = jnp.broadcast_to(jnp.minimum(quota, n_keep)[:, None], keep.shape[:2])
-            caches[g] = caches[g].fill(li, k, v, ctx.positions, ctx.roles, keep, count, scores[layer]).constrain()
+            filled = caches[g].fill(li, k, v, ctx.positions, ctx.roles, keep, count, scores[layer], ctx.tools)
+            caches[g] = filled.constrain()
         kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B]
         return caches, kept
 
-    def decode(self, params, caches, tokens, positions, roles, prompt_lengths, mask_bits, key, temperature, top_p):
+    def decode(
+        self, params, caches, tokens, positions, roles, prompt_lengths, called, mask_bits, key, temperature, top_p
+    ):
         """One token per sequence: write its K/V, attend to the cache, enforce the running cap, mask, sample."""
-        logits, caches, kept, overflow = self.decode_logits(params, caches, tokens, positions, roles, prompt_lengths)
+        logits, caches, kept, overflow = self.decode_logits(
+            params, caches, tokens, positions, roles, prompt_lengths, called
+        )
         next_tokens = _sample_masked(logits, mask_bits, key, temperature, top_p)
         return next_tokens, caches, kept, overflow
 
-    def decode_logits(self, params, caches, tokens, positions, roles, prompt_lengths):
-        """`decode` before the mask and the sampler -> (logits f32[B, V], caches, kept i32[B], overflow bool[])."""
+    def decode_logits(self, params, caches, tokens, positions, roles, prompt_lengths, called):
+        """`decode` before the mask and the sampler -> (logits f32[B, V], caches, kept i32[B], overflow bool[]).
+
+        `called` i32[B]: the tool each row's call being written calls (NO_TOOL: not known yet)."""
         with mesh_context(self.mesh):
             model = nnx.merge(self.graphdef, params)
             b = tokens.shape[0]
@@ -291,6 +312,7 @@ class StepPlan:
                 priority = method.eviction_priority(
                     layer, cache.score[li], cache.pos[li], cache.role[li], positions, prompt_lengths
                 )
+                priority = method.release_unchosen_tools(layer, priority, cache.pos[li], cache.tool[li], called)
                 priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)
                 caches[g] = cache.evict(li, jnp.argmin(priority, axis=-1).astype(jnp.int32), over).constrain()
                 return out[:, None]
@@ -302,10 +324,13 @@ class StepPlan:
             return logits, caches, kept, overflow
 
 
-def prefill_plans(plans: tuple[StepPlan, ...], params, tokens, lengths, roles, capacities: tuple[tuple[int, ...], ...]):
+def prefill_plans(
+    plans: tuple[StepPlan, ...], params, tokens, lengths, roles, tools, capacities: tuple[tuple[int, ...], ...]
+):
     """One full-attention forward over the prompts, then every plan's method picks what its own caches keep.
 
-    tokens i32[B, T], lengths i32[B], roles i32[B, T] -> last-token logits f32[B, V], per plan (caches, kept i32[B]).
+    tokens i32[B, T], lengths i32[B], roles i32[B, T], tools i32[B, T] (the offered tool each token describes) ->
+    last-token logits f32[B, V], per plan (caches, kept i32[B]).
     Prefill attention is uncompressed for every method, so plans over one model share the forward; only the
     scoring and the fill are per plan (how a method sweep runs many methods and budgets for one prefill).
     """
@@ -342,7 +367,7 @@ def prefill_plans(plans: tuple[StepPlan, ...], params, tokens, lengths, roles, c
             model.forward(extra_tokens, extra_positions, attend_extra)
             return scores
 
-        ctx = PrefillContext(tokens, positions, valid, lengths, roles, base.cfg.num_kv_heads, extra_query_scores)
+        ctx = PrefillContext(tokens, positions, valid, lengths, roles, base.cfg.num_kv_heads, extra_query_scores, tools)
 
         def attend(layer, q, k, v):
             kv.append((k, v))
@@ -361,8 +386,8 @@ def prefill_plans(plans: tuple[StepPlan, ...], params, tokens, lengths, roles, c
 
 
 # One compiled function per static signature (plan, capacities / sampling); the caches are donated to each step.
-_prefill = jax.jit(prefill_plans, static_argnums=(0, 5))
-_decode = jax.jit(StepPlan.decode, static_argnums=(0, 9, 10), donate_argnums=(2,))
+_prefill = jax.jit(prefill_plans, static_argnums=(0, 6))
+_decode = jax.jit(StepPlan.decode, static_argnums=(0, 10, 11), donate_argnums=(2,))
 _decode_logits = jax.jit(StepPlan.decode_logits, static_argnums=(0,), donate_argnums=(2,))
 
 
@@ -515,9 +540,9 @@ class Engine:
     def lower_prefill(self, shape: BatchShape) -> jax.stages.Lowered:
         """Lower the jitted prefill for `shape`, with the abstract arguments `prefill` gives it."""
         b, t = shape.padded_rows, shape.prompt_bucket
-        grid = self._abstract_rows((b, t))  # padded prompt tokens and roles: i32[B, T]
+        grid = self._abstract_rows((b, t))  # padded prompt tokens, roles and tools: i32[B, T]
         return _prefill.lower(
-            (self.plan,), self._abstract_params(), grid, self._abstract_rows((b,)), grid, (shape.capacities,)
+            (self.plan,), self._abstract_params(), grid, self._abstract_rows((b,)), grid, grid, (shape.capacities,)
         )
 
     def _abstract_params(self):
@@ -531,7 +556,7 @@ class Engine:
         """Lower the jitted decode step for `shape`, with the abstract arguments `generate` gives it."""
         b = shape.padded_rows
         params = self._abstract_params()
-        rows = self._abstract_rows((b,))  # token ids, lengths, positions, roles: i32[B]
+        rows = self._abstract_rows((b,))  # token ids, positions, roles, lengths, called tools: i32[B]
         caches = jax.eval_shape(lambda: self.plan.empty_caches(b, shape.capacities))
         if self.mesh is not None:  # the layout the prefill hands them over in
             caches = [
@@ -545,7 +570,7 @@ class Engine:
         bits = self._abstract_rows((b, mask_words(self.cfg.vocab_size)))
         key = jax.eval_shape(lambda: jax.random.key(sampling.seed))
         return _decode.lower(
-            self.plan, params, caches, rows, rows, rows, rows, bits, key, sampling.temperature, sampling.top_p
+            self.plan, params, caches, rows, rows, rows, rows, rows, bits, key, sampling.temperature, sampling.top_p
         )
 
     def precompile(self, shape: BatchShape, sampling: SamplingConfig = SamplingConfig()) -> None:
@@ -562,10 +587,20 @@ class Engine:
         _, key = jax.random.split(jax.random.key(sampling.seed))
         self.sample(logits, np.full((rows, mask_words(self.cfg.vocab_size)), -1, np.int32), key, sampling)
 
-    def prefill(self, tokens: np.ndarray, lengths: np.ndarray, roles: np.ndarray, capacities: tuple[int, ...]):
-        """Jitted prefill of right-padded prompts -> (last-token logits, caches, kept entries per sequence)."""
-        tokens, lengths, roles = (self.rows(x) for x in (tokens, lengths, roles))
-        logits, ((caches, kept),) = _prefill((self.plan,), self.params, tokens, lengths, roles, (capacities,))
+    def prefill(
+        self,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        roles: np.ndarray,
+        capacities: tuple[int, ...],
+        tools: np.ndarray | None = None,
+    ):
+        """Jitted prefill of right-padded prompts -> (last-token logits, caches, kept entries per sequence).
+
+        `tools` i32[B, T]: the offered tool each prompt token describes (`BatchShape.pad_tools`; None: none)."""
+        tools = np.full(np.shape(tokens), NO_TOOL, np.int32) if tools is None else tools
+        placed = (self.rows(x) for x in (tokens, lengths, roles, tools))
+        logits, ((caches, kept),) = _prefill((self.plan,), self.params, *placed, (capacities,))
         return logits, caches, kept
 
     def decode_step(
@@ -578,17 +613,20 @@ class Engine:
         mask_bits: jax.Array | np.ndarray,
         key: jax.Array,
         sampling: SamplingConfig = SamplingConfig(),
+        called: np.ndarray | None = None,
     ):
         """One jitted decode step over the padded rows; `caches` are donated (use the returned ones).
 
         tokens i32[B] at positions i32[B] with roles i32[B], prompt_lengths i32[B], packed token mask
-        i32[B, ceil(V/32)] -> (next tokens i32[B], caches, kept entries per row i32[B], overflow bool[]).
+        i32[B, ceil(V/32)], the tool each row's current call calls i32[B] (None: none known) -> (next tokens i32[B],
+        caches, kept entries per row i32[B], overflow bool[]).
         """
+        called = _no_call(tokens) if called is None else called
         return _decode(
             self.plan,
             self.params,
             caches,
-            *(self.rows(x) for x in (tokens, positions, roles, prompt_lengths, mask_bits)),
+            *(self.rows(x) for x in (tokens, positions, roles, prompt_lengths, called, mask_bits)),
             key,
             sampling.temperature,
             sampling.top_p,
@@ -601,10 +639,12 @@ class Engine:
         positions: np.ndarray,
         roles: np.ndarray,
         prompt_lengths: np.ndarray,
+        called: np.ndarray | None = None,
     ):
         """`decode_step` up to the logits (dispatched asynchronously: the host may build the token mask meanwhile)
         -> (logits f32[B, V], caches, kept i32[B], overflow bool[]); `caches` are donated."""
-        placed = (self.rows(x) for x in (tokens, positions, roles, prompt_lengths))
+        called = _no_call(tokens) if called is None else called
+        placed = (self.rows(x) for x in (tokens, positions, roles, prompt_lengths, called))
         return _decode_logits(self.plan, self.params, caches, *placed)
 
     def sample(
@@ -632,15 +672,23 @@ class Engine:
         sampling: SamplingConfig = SamplingConfig(),
         *,
         prompt_roles: Sequence[Sequence[int]] | None = None,
+        prompt_tools: Sequence[Sequence[int] | None] | None = None,
         constraint: TokenConstraint | None = None,
         on_step: StepCallback | None = None,
     ) -> list[Generation]:
         """Generate for a batch of token-id prompts; returns one Generation per prompt, in order.
 
+        `prompt_tools`: per prompt token, the index of the constraint's tool it describes (NO_TOOL: none).
         `on_step`, if given, is called with the `StepTiming` of the prefill and then of every decode step.
         """
         return generate_shared(
-            [self], prompts, sampling, prompt_roles=prompt_roles, constraints=[constraint], on_steps=[on_step]
+            [self],
+            prompts,
+            sampling,
+            prompt_roles=prompt_roles,
+            prompt_tools=prompt_tools,
+            constraints=[constraint],
+            on_steps=[on_step],
         )[0]
 
     def _decode_loop(
@@ -689,8 +737,10 @@ class Engine:
                 if int(current[i]) in self.stop_token_ids:
                     done[i], finish[i] = True, "stop"
             step_roles = np.zeros(b_bucket, np.int32)
+            called = np.full(b_bucket, NO_TOOL, np.int32)
             if constraint is not None:
                 step_roles[:n] = constraint.advance(current[:n])
+                called[:n] = constraint.called_tools()
             if done.all() or step == sampling.max_new_tokens - 1:
                 break
             t0 = time.perf_counter()
@@ -698,7 +748,7 @@ class Engine:
             key, sub = jax.random.split(key)
             call_start = time.perf_counter()
             next_tokens, caches, kept, overflow = self.decode_step(
-                caches, current, positions, step_roles, lengths, bits, sub, sampling
+                caches, current, positions, step_roles, lengths, bits, sub, sampling, called
             )
             current, kept, overflowed = np.asarray(next_tokens), np.asarray(kept), bool(overflow)
             call_s = time.perf_counter() - call_start
@@ -722,6 +772,7 @@ def generate_shared(
     sampling: SamplingConfig = SamplingConfig(),
     *,
     prompt_roles: Sequence[Sequence[int]] | None = None,
+    prompt_tools: Sequence[Sequence[int] | None] | None = None,
     constraints: Sequence[TokenConstraint | None] | None = None,
     on_steps: Sequence[StepCallback | None] | None = None,
 ) -> list[list[Generation]]:
@@ -759,11 +810,12 @@ def generate_shared(
     if any(t < 0 or t >= vocab for p in prompts for t in p):
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     tokens, all_lengths, roles = shapes[0].pad(prompts, prompt_roles)
+    tools = shapes[0].pad_tools(prompt_tools)
 
     start = time.perf_counter()
     plans = tuple(engine.plan for engine in engines)
     capacities = tuple(shape.capacities for shape in shapes)
-    placed = (first.rows(x) for x in (tokens, all_lengths, roles))
+    placed = (first.rows(x) for x in (tokens, all_lengths, roles, tools))
     logits, filled = _prefill(plans, first.params, *placed, capacities)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - start
@@ -773,6 +825,11 @@ def generate_shared(
             engines, shapes, filled, constraints, on_steps, strict=True
         )
     ]
+
+
+def _no_call(tokens: np.ndarray) -> np.ndarray:
+    """i32[B]: no row's called tool known."""
+    return np.full(np.shape(tokens), NO_TOOL, np.int32)
 
 
 def _pad_rows(bits: np.ndarray, rows: int) -> np.ndarray:

@@ -246,7 +246,7 @@ class LLM:
                     max_prefill_rows=self.max_prefill_rows,
                 )
                 sequences = [
-                    SequenceRequest(p.ids, p.request.max_tokens, p.roles, self._constraint([p])) for p in batch
+                    SequenceRequest(p.ids, p.request.max_tokens, p.roles, self._constraint([p]), p.tools) for p in batch
                 ]
                 for k, generation in batcher.run(sequences):
                     yield [wave[k]], [self.completion(batch[k], generation, int(time.time()))]
@@ -276,7 +276,11 @@ class LLM:
         constraint = self._constraint(batch)
         start = time.perf_counter()
         generations = engine.generate(
-            [p.ids for p in batch], sampling, prompt_roles=[p.roles for p in batch], constraint=constraint
+            [p.ids for p in batch],
+            sampling,
+            prompt_roles=[p.roles for p in batch],
+            prompt_tools=[p.tools for p in batch],
+            constraint=constraint,
         )
         created = int(time.time() - (time.perf_counter() - start))
         return [self.completion(p, g, created) for p, g in zip(batch, generations, strict=True)]

@@ -23,7 +23,7 @@ from typing import Any
 from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.structure import CompiledGrammar, compile_grammar, compile_json_grammar, parse_tools
-from pask_jax.structure.prompt_roles import prompt_roles
+from pask_jax.structure.prompt_roles import TokenLabels, token_labels
 
 DEFAULT_MAX_TOKENS = 256
 CHAT_FIELDS = frozenset(
@@ -207,6 +207,16 @@ class PreparedRequest:
     ids: list[int]
     roles: list[int]  # one role id per prompt token
     grammar: CompiledGrammar | None  # None: free text
+    tools: list[int] | None = None  # per prompt token, the grammar's tool it describes (None: no tool is described)
+
+    @classmethod
+    def labelled(
+        cls, request: ChatRequest, text: str, ids: list[int], labels: TokenLabels, grammar: CompiledGrammar | None
+    ) -> PreparedRequest:
+        """From the prompt's token labels: tools numbered as the grammar's callable functions."""
+        names = grammar.function_names if grammar is not None else ()
+        tools = labels.tools_for(names) if labels.tool_names else None
+        return cls(request, text, ids, labels.roles, grammar, tools)
 
 
 class RequestBuilder:
@@ -246,5 +256,5 @@ class RequestBuilder:
         text = self.template.render(messages, tools)
         ids = self.tokenizer.encode(text)
         self.check_length(ids, request.max_tokens)
-        roles = prompt_roles(text, self.tokenizer, messages, tools)
-        return PreparedRequest(request, text, ids, roles, self.grammar(request))
+        labels = token_labels(text, self.tokenizer, messages, tools)
+        return PreparedRequest.labelled(request, text, ids, labels, self.grammar(request))

@@ -43,11 +43,13 @@ from pask_jax.engine import (
     padded_batch,
 )
 from pask_jax.structure.constraint import TokenConstraint
+from pask_jax.structure.roles import NO_TOOL
 
 
 @dataclasses.dataclass(frozen=True)
 class SequenceRequest:
-    """One sequence for the batcher: prompt token ids (and their roles), its own token limit and constraint.
+    """One sequence for the batcher: prompt token ids (their roles, and the constraint's tool each describes), its
+    own token limit and constraint.
 
     `constraint` covers this sequence alone (a batch of one, e.g. `GrammarConstraint([grammar], vocab)`).
     """
@@ -56,6 +58,7 @@ class SequenceRequest:
     max_new_tokens: int
     roles: Sequence[int] | None = None
     constraint: TokenConstraint | None = None
+    tools: Sequence[int] | None = None
 
 
 @dataclasses.dataclass
@@ -193,6 +196,7 @@ class ContinuousBatcher:
         # what the next step feeds each row (a free row repeats its last position: written and evicted in-row)
         tokens, positions = np.zeros(width, np.int32), np.zeros(width, np.int32)
         roles, prompt_lengths = np.zeros(width, np.int32), np.ones(width, np.int32)
+        called = np.full(width, NO_TOOL, np.int32)  # the tool each row's current call calls
 
         def take(slot: int, token: int) -> None:
             """A sampled token joins its row's output; unless it ends the row, the next step feeds it."""
@@ -205,7 +209,9 @@ class ContinuousBatcher:
                 row.finish = "length"
             else:
                 constraint = row.request.constraint
-                roles[slot] = 0 if constraint is None else int(constraint.advance(np.array([token]))[0])
+                if constraint is not None:
+                    roles[slot] = int(constraint.advance(np.array([token]))[0])
+                    called[slot] = int(constraint.called_tools()[0])
                 tokens[slot], positions[slot] = token, row.position
 
         def masks(rows: Sequence[int]) -> np.ndarray:
@@ -222,7 +228,7 @@ class ContinuousBatcher:
             for slot, row in enumerate(slots):
                 if row is not None and row.finish is not None:
                     slots[slot] = None
-                    roles[slot], prompt_lengths[slot] = 0, 1
+                    roles[slot], prompt_lengths[slot], called[slot] = 0, 1, NO_TOOL
                     yield row.index, Generation(row.tokens, row.finish, row.stats)
 
         while waiting or any(slots):
@@ -256,11 +262,13 @@ class ContinuousBatcher:
             key, sub = jax.random.split(key)
             every = range(width)
             if self.overlap_grammar:
-                logits, caches, kept, overflow = engine.decode_logits(caches, tokens, positions, roles, prompt_lengths)
+                logits, caches, kept, overflow = engine.decode_logits(
+                    caches, tokens, positions, roles, prompt_lengths, called
+                )
                 sampled = engine.sample(logits, masks(every), sub, sampling)  # masks built while the step runs
             else:
                 sampled, caches, kept, overflow = engine.decode_step(
-                    caches, tokens, positions, roles, prompt_lengths, masks(every), sub, sampling
+                    caches, tokens, positions, roles, prompt_lengths, masks(every), sub, sampling, called
                 )
             sampled, kept = np.asarray(sampled), np.asarray(kept)
             if bool(overflow):
@@ -286,7 +294,8 @@ class ContinuousBatcher:
         )
         roles = [r.roles if r.roles is not None else [0] * len(r.ids) for r in group]
         tokens, lengths, prompt_roles = batch.pad([r.ids for r in group], roles)
-        logits, new, kept = engine.prefill(tokens, lengths, prompt_roles, shape.capacities)
+        tools = batch.pad_tools([r.tools for r in group])
+        logits, new, kept = engine.prefill(tokens, lengths, prompt_roles, shape.capacities, tools)
         rows = np.full(batch.padded_rows, shape.padded_rows, np.int32)  # padding rows: past the batch, skipped
         rows[: batch.rows] = slots
         return engine.insert_rows(caches, new, rows), logits, np.asarray(kept)

@@ -11,7 +11,8 @@ A method is a small object whose hooks run inside the engine's jitted prefill an
   f32[B, K, P]; the engine keeps the top `floor(fraction_l * P)` entries of each (sequence, KV head).
 - `new_token_score`, `update_scores` (with the step's attention weights, only if `needs_decode_attention`) and
   `eviction_priority`: when a step's new token pushes a (layer, sequence, head) over its cap, the live entry with the
-  lowest priority leaves.
+  lowest priority leaves; `release_unchosen_tools` may then lower the entries of the offered tools the call being
+  written does not call (the parser names the called tool once the function name is written).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class PrefillContext:
     # Run extra tokens (i32[B, N] at positions i32[B, N]) after the prompt, causally, without touching the cache;
     # returns per layer the attention mass they give each prompt key, summed over the N queries: f32[B, K, T].
     extra_query_scores: Callable[[jax.Array, jax.Array], list[jax.Array]]
+    tools: jax.Array | None = None  # i32[B, T] the offered tool each prompt token describes (-1, NO_TOOL: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,17 @@ class KVMethod:
         prompt_len: jax.Array,  # i32[B]
     ) -> jax.Array:  # f32[B, K, C]: the lowest live entry leaves
         return scores
+
+    def release_unchosen_tools(
+        self,
+        layer: int,
+        priority: jax.Array,  # f32[B, K, C] from `eviction_priority`
+        pos: jax.Array,  # i32[B, K, C] (-1: free)
+        tool: jax.Array,  # i32[B, K, C] the tool each entry describes (NO_TOOL: none)
+        called: jax.Array,  # i32[B] the tool the call being written calls (NO_TOOL: not known yet)
+    ) -> jax.Array:  # f32[B, K, C]
+        """The eviction priority once the parser knows which tool is called: unchanged unless a method uses it."""
+        return priority
 
 
 def budget_capacity(prompt_len: int, max_new_tokens: int, fraction: float) -> int:

@@ -26,6 +26,10 @@ Hyper-parameters:
 - `system_as_request`: score a system message's text as REQUEST_TEXT (the request's floor, priority and action),
   default on. A system message either states the task or holds the request itself (a request placed before the
   tools); calibration items carry a fixed instruction there, which would give SYSTEM_TEXT nothing.
+- `schema_release`: schema-conditioned release. Once the parser has read the function name of the call being
+  written, the prompt entries of every other offered tool's definition fall below every level (oldest first), so
+  the running cap takes them before the request or the called tool's schema; when the next parallel call starts,
+  nothing is released until its name is read. Structure only the parser knows: no attention statistic gives it.
 Without a policy (`PaskKV()`), every bucket is equal: the order alone decides, with sinks.
 """
 
@@ -42,7 +46,7 @@ from pask_jax.layers import layer_groups
 from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
 from pask_jax.methods.dapq import DapQ
 from pask_jax.policy import PersistencePolicy
-from pask_jax.structure.roles import Role, num_roles
+from pask_jax.structure.roles import NO_TOOL, Role, num_roles
 
 POSITION_RANGE = 2**16
 PRIORITY_LEVELS = 64
@@ -68,6 +72,7 @@ class PaskKV(KVMethod):
     rank: str = "dapq_tier"  # or "dapq" / "recency"
     pooling: str = "none"  # of the DapQ scores that order entries: or "max" / "avg"
     system_as_request: bool = True
+    schema_release: bool = False
 
     def __post_init__(self) -> None:
         if self.rank not in RANKS:
@@ -158,3 +163,10 @@ class PaskKV(KVMethod):
             (pos >= prompt_len[:, None, None]) & ~retain[role] & (pos < position[:, None, None] - self.release_window)
         )
         return jnp.where(released, pos.astype(jnp.float32), scores)
+
+    def release_unchosen_tools(self, layer, priority, pos, tool, called) -> jax.Array:
+        if not self.schema_release:
+            return priority
+        called = called[:, None, None]
+        unchosen = (tool != NO_TOOL) & (called != NO_TOOL) & (tool != called)
+        return jnp.where(unchosen, pos.astype(jnp.float32) - POSITION_RANGE, priority)  # below every level (>= 0)

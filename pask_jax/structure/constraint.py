@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -10,7 +11,10 @@ import numpy as np
 from outlines_core import Guide
 
 from pask_jax.structure.grammar import CompiledGrammar
-from pask_jax.structure.roles import Role
+from pask_jax.structure.roles import NO_TOOL, Role
+
+# a call's function name, as every call framing writes it (the envelope is JSON; names hold no quotes)
+_CALLED_NAME = re.compile(rb'"name"\s*:\s*"([^"\\]*)"')
 
 
 @runtime_checkable
@@ -23,6 +27,11 @@ class TokenConstraint(Protocol):
 
     def advance(self, tokens: np.ndarray) -> np.ndarray:
         """Feed the sampled tokens i32[B] -> their role ids i32[B] (stored with the cache entries)."""
+        ...
+
+    def called_tools(self) -> np.ndarray:
+        """i32[B]: per row, the index of the tool the call being written calls, once its name is written (NO_TOOL:
+        no call, or its name not complete yet)."""
         ...
 
 
@@ -43,6 +52,8 @@ class GrammarConstraint:
     writes "\\n" before <|im_end|>). A row whose turn has ended is masked to the tokenizer's EOS ids and accepts any
     further token without error (the engine keeps stepping finished rows); those tokens get END_OF_TURN (an EOS id)
     or FREE_TEXT. ``mask_s`` / ``advance_s`` / ``steps`` count host seconds, for the parser time per step.
+    ``called_tools`` reads the function name of the call being written from its bytes (the index into the row's
+    ``function_names``), from the token that closes the name until the next call starts.
     """
 
     def __init__(self, grammars: Sequence[CompiledGrammar], vocab_size: int):
@@ -58,6 +69,8 @@ class GrammarConstraint:
         self.states = [g.initial_state for g in self.grammars]
         self.finished = np.zeros(len(self.grammars), bool)
         self.between_calls = np.zeros(len(self.grammars), bool)
+        self.called = np.full(len(self.grammars), NO_TOOL, np.int32)
+        self._call_bytes = [bytearray() for _ in self.grammars]  # the current call's bytes until its name is read
         self.mask_s = 0.0
         self.advance_s = 0.0
         self.steps = 0
@@ -105,13 +118,30 @@ class GrammarConstraint:
                 )
             roles[i] = step.role
             self.states[i], self.finished[i], self.between_calls[i] = step.state, step.ended, step.between_calls
+            self._read_called(i, grammar, token)
             if step.between_calls:
+                self.called[i] = NO_TOOL
+                self._call_bytes[i].clear()
                 guide.reset()  # the separator after a parallel call: the next call starts afresh
             elif not step.ended:
                 guide.advance(token, return_tokens=False)
         self.advance_s += time.perf_counter() - start
         self.steps += 1
         return roles
+
+    def _read_called(self, row: int, grammar: CompiledGrammar, token: int) -> None:
+        if self.called[row] != NO_TOOL or not grammar.function_names:
+            return
+        seen = self._call_bytes[row]
+        seen += grammar.vocab.token_bytes[token]
+        if (match := _CALLED_NAME.search(seen)) is not None:
+            name = match.group(1).decode("utf-8", "replace")
+            if name in grammar.function_names:
+                self.called[row] = grammar.function_names.index(name)
+            seen.clear()
+
+    def called_tools(self) -> np.ndarray:
+        return self.called.copy()
 
     def timing(self) -> dict[str, float]:
         """Host seconds spent in mask() and advance(), in total and per step."""
@@ -152,3 +182,6 @@ class FreeTextConstraint:
         stop = np.isin(tokens, list(self.stop_ids))
         self.finished |= stop
         return np.where(stop, Role.END_OF_TURN, Role.FREE_TEXT).astype(np.int32)
+
+    def called_tools(self) -> np.ndarray:
+        return np.full(self.finished.shape[0], NO_TOOL, np.int32)

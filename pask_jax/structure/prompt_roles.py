@@ -27,6 +27,10 @@ whose whole text also occurs earlier in the template's own markup (a one-word me
 there; tool JSON is matched first and never holds a message. Tools the text lists but the caller did not pass stay
 TEMPLATE.
 
+Each character inside a tool's definition (its JSON, or for other forms the region from its name to its last field
+found) also carries that tool's index in the order given (``PromptLabels.tools``; NO_TOOL elsewhere), so a method
+can tell the called tool's entries from the others'.
+
 ``prompt_roles`` then gives each token the role of its **first character** (tokens come with character offsets from
 the ``tokenizers`` backend; a token spanning two roles, e.g. ``"}}`` closing a description and its object, is
 therefore the first role: here DESCRIPTION). The first ``sink_tokens`` tokens are SINK.
@@ -43,7 +47,7 @@ import numpy as np
 
 from pask_jax.models.chat_template import tool_call_arguments, tool_function
 from pask_jax.models.tokenizer import Tokenizer
-from pask_jax.structure.roles import Role
+from pask_jax.structure.roles import NO_TOOL, Role
 
 _CONTENT_ROLE = {
     "system": Role.SYSTEM_TEXT,
@@ -71,6 +75,23 @@ class PromptLabels:
 
     roles: np.ndarray  # i32[len(text)]
     tool_names: list[str]  # the function names of the tools, in the order given (each one located)
+    tools: np.ndarray  # i32[len(text)] the index of the tool whose definition holds the character, NO_TOOL if none
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLabels:
+    """Per-token labels of a prompt: the role of each token and the tool each describes."""
+
+    roles: list[int]
+    tools: list[int]  # index into ``tool_names`` (NO_TOOL: none)
+    tool_names: list[str]
+
+    def tools_for(self, function_names: Sequence[str]) -> list[int]:
+        """``tools`` renumbered by ``function_names`` (a grammar's callable tools): a listed tool not among them
+        gets ``len(function_names)``, an index no call has."""
+        index = {name: function_names.index(name) if name in function_names else len(function_names)
+                 for name in self.tool_names}  # fmt: skip
+        return [NO_TOOL if t == NO_TOOL else index[self.tool_names[t]] for t in self.tools]
 
 
 class _ToolsLexer:
@@ -248,8 +269,8 @@ def _label_tool_fields(
     text: str, roles: np.ndarray, function: Mapping, start: int, end: int, blocked: Sequence[Span]
 ) -> int | None:
     """Field-by-field labels for a tool written in a non-JSON form, in text[start:end] outside ``blocked``: its name,
-    description, parameter names and their descriptions, in that order. The end of the last field found, or None
-    if the name is not found."""
+    description, parameter names and their descriptions, in that order. The span from the name to the end of the
+    last field found, or None if the name is not found."""
     name = _find_word(text, function["name"], start, end, blocked)
     if name is None:
         return None
@@ -263,7 +284,7 @@ def _label_tool_fields(
         if isinstance(value, str) and value and (span := _find_word(text, value, cursor, end, blocked)) is not None:
             roles[span[0] : span[1]] = role
             cursor = span[1]
-    return cursor
+    return name[0], cursor
 
 
 def _tool_functions(tools: Sequence[Mapping]) -> list[Mapping]:
@@ -397,9 +418,11 @@ def label_prompt(
     json_spans = _label_json_tools(text, tool_roles, tools, functions)
     blocked = [span for span in json_spans if span is not None]
     blocked += _label_messages(text, roles, messages, blocked)
+    tool_ids = np.full(len(text), NO_TOOL, np.int32)
     cursor = 0
     for i, (function, span) in enumerate(zip(functions, json_spans, strict=True)):
         if span is not None:
+            tool_ids[span[0] : span[1]] = i
             cursor = span[1]
             continue
         following = [s[0] for s in json_spans[i + 1 :] if s is not None]  # the next JSON tool bounds the search
@@ -410,10 +433,31 @@ def label_prompt(
         found = _label_tool_fields(text, tool_roles, function, cursor, end, blocked)
         if found is None:
             raise ValueError(f"tool {i} ({function['name']!r}) is not in the rendered prompt")
-        cursor = found
+        tool_ids[found[0] : found[1]] = i
+        cursor = found[1]
     painted = tool_roles != Role.TEMPLATE
     roles[painted] = tool_roles[painted]
-    return PromptLabels(roles=roles, tool_names=[f["name"] for f in functions])
+    return PromptLabels(roles=roles, tool_names=[f["name"] for f in functions], tools=tool_ids)
+
+
+def token_labels(
+    text: str,
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    sink_tokens: int = 1,
+) -> TokenLabels:
+    """Each token of ``tokenizer.encode(text)`` labelled by its first character (``label_prompt``): its role (the
+    first ``sink_tokens`` tokens SINK) and the tool it describes."""
+    labels = label_prompt(text, messages, tools)
+    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+    firsts = [start for start, _ in encoding.offsets]
+    roles = [int(labels.roles[s]) if s < len(text) else int(Role.TEMPLATE) for s in firsts]
+    for i in range(min(sink_tokens, len(roles))):
+        roles[i] = int(Role.SINK)
+    tool_ids = [int(labels.tools[s]) if s < len(text) else NO_TOOL for s in firsts]
+    return TokenLabels(roles=roles, tools=tool_ids, tool_names=labels.tool_names)
 
 
 def prompt_roles(
@@ -424,11 +468,5 @@ def prompt_roles(
     *,
     sink_tokens: int = 1,
 ) -> list[int]:
-    """Role of each token of ``tokenizer.encode(text)``: the role of the token's first character (``label_prompt``);
-    the first ``sink_tokens`` tokens SINK."""
-    roles = label_prompt(text, messages, tools).roles
-    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
-    out = [int(roles[start]) if start < len(roles) else int(Role.TEMPLATE) for start, _ in encoding.offsets]
-    for i in range(min(sink_tokens, len(out))):
-        out[i] = int(Role.SINK)
-    return out
+    """Role of each token of ``tokenizer.encode(text)`` (``token_labels``)."""
+    return token_labels(text, tokenizer, messages, tools, sink_tokens=sink_tokens).roles

@@ -76,6 +76,9 @@ GENERATED_ROLES: tuple[Role, ...] = (
 )
 
 
+NO_TOOL = -1  # beside the roles: a prompt token that describes no offered tool, or a call whose function is not known
+
+
 def num_roles() -> int:
     """Number of role ids (ids are 0..num_roles()-1): the first dimension of a persistence policy table."""
     return len(Role)

@@ -140,6 +140,7 @@ def run_category(
             [p.ids for p in batch],
             SamplingConfig(max_new_tokens=cfg.max_new_tokens),
             prompt_roles=[p.roles for p in batch],
+            prompt_tools=[p.tools for p in batch],
             constraints=constraints,
         )
         for key, gens, constraint in zip(engines, outputs, constraints, strict=True):

@@ -32,7 +32,7 @@ from typing import Any
 from pask_jax.experiments.bfcl.dialect import bfcl_function
 from pask_jax.requests import DEFAULT_MAX_TOKENS, ChatRequest, PreparedRequest, RequestBuilder
 from pask_jax.structure import compile_grammar
-from pask_jax.structure.prompt_roles import prompt_roles
+from pask_jax.structure.prompt_roles import token_labels
 
 TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -124,13 +124,13 @@ def prepare_tool_prompt(
     text = format_tool_prompt(list(messages), list(functions))
     ids = builder.tokenizer.encode(text)
     builder.check_length(ids, max_tokens)
-    roles = prompt_roles(text, builder.tokenizer, list(messages), list(functions))
+    labels = token_labels(text, builder.tokenizer, list(messages), list(functions))
     tools = tuple(bfcl_function(f) for f in (functions if grammar_functions is None else grammar_functions))
     request = ChatRequest(
         messages=tuple(messages), tools=tools, tool_choice="required", max_tokens=max_tokens, temperature=0.0
     )
     grammar = compile_grammar(list(tools), builder.tokenizer, tool_choice="required", framing=framing)
-    return PreparedRequest(request, text, ids, roles, grammar)
+    return PreparedRequest.labelled(request, text, ids, labels, grammar)
 
 
 def prepare_bfcl(
