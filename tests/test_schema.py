@@ -443,3 +443,11 @@ def test_user_tool_end_to_end(tok):
     assert grammar.accepts(call_ids(tok, "ping", {}))
     assert not grammar.accepts(call_ids(tok, "lookup", {"who": {"name": "cy"}}))
     assert not grammar.accepts(call_ids(tok, "ping", {"x": 1}))
+
+
+def test_property_names_needing_json_escapes_are_refused():
+    for name in ('a"b', "back\\slash", "new\nline"):
+        schema = {"type": "object", "properties": {name: {"type": "string"}}}
+        with pytest.raises(GrammarError, match="'properties' names .* need JSON escapes"):
+            S.enforced_schema(schema, "function 'f'")
+    assert S.enforced_schema({"type": "object", "properties": {"café ok": {"type": "string"}}}, "function 'f'")

@@ -759,10 +759,10 @@ def calibration_stats(root: Path) -> str:
 
 def calibration_own16_task_error(root: Path) -> str:
     """Task-error increase with the bucket removed (keep level 0), per role present and layer group."""
-    from pask_jax.structure.roles import role_names
+    from pask_jax.structure.roles import role_names, taxonomy_roles
 
     stats = load_json(root, OWN16_STATS)
-    names = role_names()
+    names = role_names()[: taxonomy_roles(stats["taxonomy"])]  # the roles of the taxonomy it was measured in
     rows = [
         [names[r], *(f"{g[0]:.2f}" for g in stats["task_error"][r]), f"{stats['entries'][r][0]:.1f}"]
         for r in range(len(names))

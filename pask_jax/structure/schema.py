@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -339,6 +340,11 @@ class _Rewriter:
         unknown = [name for name in required if name not in properties]
         if unknown:
             raise self.error(path, f"required {unknown} are not among its properties {list(properties)}")
+        # outlines-core writes a property name into the regex as raw text, not as a JSON string: a name JSON must
+        # escape would make the grammar reject valid output and allow invalid JSON
+        escaped = [name for name in properties if json.dumps(name, ensure_ascii=False)[1:-1] != name]
+        if escaped:
+            raise self.error(path, f"'properties' names {escaped} need JSON escapes, which the grammar cannot write")
         if isinstance(extra, dict):
             self.node(extra, f"{path}/additionalProperties")  # checked, though only declared keys are generated
         out = {}

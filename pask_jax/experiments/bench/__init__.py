@@ -6,6 +6,7 @@
 - `cache`: KV-cache bytes vs budget for a model preset, from shapes alone.
 - `compile`: lowering and compile seconds per step executable, cold and warm XLA cache; time to the first answer.
 - `entrypoints`: `pask-jax run` against `pask-jax bfcl` on the same BFCL items (tokens/s, same calls).
+- `schemas`: JSON Schema coverage on pinned external suites, our grammar next to xgrammar and llguidance.
 
 `pask-jax bench BENCHMARK --help` lists a benchmark's own arguments.
 """
@@ -22,6 +23,7 @@ BENCHMARKS = {
     "cache": "KV-cache bytes vs budget, from shapes alone",
     "compile": "compile seconds per step executable, cold and warm XLA cache; time to first answer",
     "entrypoints": "`run` vs `bfcl` tokens/s on the same items",
+    "schemas": "JSON Schema coverage on external suites, vs xgrammar and llguidance",
 }
 USAGE = (
     "usage: pask-jax bench {"
