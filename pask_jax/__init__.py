@@ -3,7 +3,9 @@
 Public entry points (imported on first use, so `pask-jax fetch-model` and `--help` load no JAX):
 - `LLM(model, method="pask", budget=0.33, policy="auto")`: OpenAI chat-completions requests in, `chat.completion`
   objects out, with grammar-constrained tool calls and a budget-sized KV cache.
-- `load_model(path_or_name)`: an HF checkpoint directory, a `.gguf` file, or a fetched model's name.
+- `Checkpoint.open(path_or_name)`: an HF checkpoint directory, a `.gguf` file, or a registered model's name -> its
+  config, tokenizer, chat template, policy fingerprint and `weights(dtype, mesh)` (what every command loads through).
+- `load_model(path_or_name)`: the weights alone.
 - `load_tokenizer(path_or_name)`: the matching tokenizer (or "qwen": the Qwen2/2.5/3 tokenizer built offline).
 - `Engine`: batched prefill + jitted decode over a ragged, budget-sized KV cache; `make_engine` builds one from a
   method name, budget and policy together.
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "LLM": "pask_jax.llm",
+    "Checkpoint": "pask_jax.checkpoint",
     "make_engine": "pask_jax.factory",
     "Engine": "pask_jax.engine",
     "Generation": "pask_jax.engine",
@@ -34,6 +37,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
+    from pask_jax.checkpoint import Checkpoint
     from pask_jax.engine import Engine, Generation, SamplingConfig, generate_shared
     from pask_jax.factory import make_engine
     from pask_jax.llm import LLM
@@ -61,6 +65,7 @@ def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
 
 __all__ = [
     "LLM",
+    "Checkpoint",
     "MODELS",
     "PRESETS",
     "Engine",

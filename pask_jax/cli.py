@@ -156,15 +156,18 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         write_split,
     )
     from pask_jax.calibration.run import DEFAULT_LEVELS, CalibrationStats, calibrate_requests
-    from pask_jax.llm import LLM
+    from pask_jax.checkpoint import Checkpoint
+    from pask_jax.llm import DEFAULT_MAX_CONTEXT
     from pask_jax.models.sharding import init_distributed
     from pask_jax.policy import STATS_FILE
+    from pask_jax.requests import RequestBuilder
 
     budgets = [float(b) for b in args.budgets.split(",")]  # flags checked by the front door (`_check_calibrate`)
     fraction = DEFAULT_DEV_FRACTION if args.dev_fraction is None else args.dev_fraction
     split = split_requests(read_requests(args.data), fraction) if args.data else None  # bad lines: before any loading
     init_distributed()  # multi-host pods: env-driven, a no-op on one machine
-    llm = LLM(args.model, method="full")  # config, tokenizer, chat template and fingerprint; weights on first use
+    checkpoint = Checkpoint.open(args.model)  # config, tokenizer, chat template, fingerprint; weights when needed
+    builder = RequestBuilder(checkpoint.tokenizer, checkpoint.chat_template, max_context=DEFAULT_MAX_CONTEXT)
     options = dict(
         groups=args.groups,
         levels=[float(x) for x in args.levels.split(",")] if args.levels else DEFAULT_LEVELS,
@@ -175,12 +178,14 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         source = Path(args.stats)
         stats = CalibrationStats.load(source / STATS_FILE if source.is_dir() else source)
     elif split is not None:
-        prepared = prepare_requests(llm.builder, split.calibration, args.data)  # bad requests: before the weights
-        stats = calibrate_requests(llm.model, llm.tokenizer, prepared, data=data_digest(split.calibration), **options)
+        prepared = prepare_requests(builder, split.calibration, args.data)  # bad requests: before the weights
+        stats = calibrate_requests(
+            checkpoint.weights(), checkpoint.tokenizer, prepared, data=data_digest(split.calibration), **options
+        )
     else:
         from pask_jax.experiments.commands import calibrate_on_suite
 
-        stats = calibrate_on_suite(args, llm, options)
+        stats = calibrate_on_suite(args, checkpoint, options)
     if stats.n_items == 0:
         reasons = sorted(set(stats.skipped.values()))[:3]
         raise ValueError(f"no item was calibrated ({len(stats.skipped)} skipped: {reasons}); no policy written")
@@ -192,7 +197,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         tolerance=args.tolerance,
         floor_share=args.floor_share,
         ablation=args.ablation,
-        fits=llm.fingerprint,
+        fits=checkpoint.fingerprint,
         notes="pask-jax calibrate " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ran_with.items()),
     )
     path = policy.save(args.out)  # on a pod: every host takes part in orbax's save, the first one writes the files

@@ -32,15 +32,15 @@ from pathlib import Path
 import numpy as np
 from jax.sharding import Mesh
 
+from pask_jax.checkpoint import Checkpoint
 from pask_jax.engine import Engine, Generation, SamplingConfig
 from pask_jax.factory import make_engine
 from pask_jax.methods import METHODS
-from pask_jax.models.chat_template import ChatTemplate, load_chat_template
-from pask_jax.models.fetch import resolve_model_path
-from pask_jax.models.loading import cast_model, load_config, load_model, resolve_dtype
+from pask_jax.models.chat_template import ChatTemplate
+from pask_jax.models.loading import cast_model, resolve_dtype
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.sharding import check_mesh
-from pask_jax.models.tokenizer import Tokenizer, load_tokenizer_from_path
+from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
 from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError, parse_request
 from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
@@ -95,11 +95,10 @@ class LLM:
             self._model, config, self.model_name = model, model.config, model.config.name
         else:
             self.dtype = resolve_dtype(dtype)
-            path = resolve_model_path(model)
-            self._model, config, self.model_name = None, load_config(model), str(model)
-            tokenizer = tokenizer or load_tokenizer_from_path(path)
-            chat_template = chat_template or load_chat_template(path)
-            self._path = model
+            self.checkpoint = Checkpoint.open(model)
+            self._model, config, self.model_name = None, self.checkpoint.config, self.checkpoint.name
+            tokenizer = tokenizer or self.checkpoint.tokenizer
+            chat_template = chat_template or self.checkpoint.chat_template
         self.config, self.tokenizer = config, tokenizer
         self.method, self.budget = method, (1.0 if method == "full" else budget)
         self.fingerprint = ModelFingerprint.of(config, tokenizer)
@@ -116,7 +115,7 @@ class LLM:
     def model(self) -> Qwen3:
         """The model, its weights loaded on first use."""
         if self._model is None:
-            self._model = load_model(self._path, self.dtype, mesh=self.mesh)
+            self._model = self.checkpoint.weights(self.dtype, mesh=self.mesh)
         return self._model
 
     @property

@@ -51,7 +51,7 @@ def check_niah(args: argparse.Namespace) -> None:
 
 def cmd_bfcl(args: argparse.Namespace) -> None:
     """Grammar-constrained BFCL evaluation; prints a table and writes the full JSON."""
-    from pask_jax import load_model, load_tokenizer
+    from pask_jax.checkpoint import Checkpoint
     from pask_jax.experiments.bfcl.evaluate import EvalConfig, format_table, run_bfcl
     from pask_jax.factory import resolve_spec
 
@@ -84,8 +84,7 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
     if "pask" in cfg.methods and "pask" not in policies:
         print("note: --methods pask without --policy runs PASK uncalibrated (recency + sinks)", file=sys.stderr)
     enable_compile_cache()
-    model = load_model(args.model)
-    tokenizer = load_tokenizer(args.model)
+    checkpoint = Checkpoint.open(args.model)
     out = Path(args.out) if args.out else None
 
     def save(result: dict) -> None:  # after every category, so a long run keeps what it measured
@@ -93,8 +92,8 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
 
     result = run_bfcl(
-        model,
-        tokenizer,
+        checkpoint.weights(),
+        checkpoint.tokenizer,
         args.model,
         cfg,
         method_config=method_config,
@@ -133,20 +132,17 @@ def cmd_niah(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         num_groups=args.groups,
     )  # every list checked before anything loads
+    from pask_jax.checkpoint import Checkpoint
     from pask_jax.methods import load_method_config
-    from pask_jax.models.chat_template import load_chat_template
-    from pask_jax.models.fetch import resolve_model_path
-    from pask_jax.models.loading import load_config, load_model
-    from pask_jax.models.tokenizer import load_tokenizer_from_path
-    from pask_jax.policy import ModelFingerprint, PersistencePolicy
+    from pask_jax.policy import PersistencePolicy
     from pask_jax.requests import RequestBuilder
 
     policies = {label: PersistencePolicy.load(path) for label, path in policy_paths.items()}
     method_config = load_method_config(args.method_config)
-    path = resolve_model_path(args.model)
-    tokenizer = load_tokenizer_from_path(path)
-    niah.check_methods(cfg, method_config, policies, ModelFingerprint.of(load_config(args.model), tokenizer))
-    template = load_chat_template(path)
+    checkpoint = Checkpoint.open(args.model)
+    tokenizer = checkpoint.tokenizer
+    niah.check_methods(cfg, method_config, policies, checkpoint.fingerprint)
+    template = checkpoint.chat_template
     if template is None:
         raise niah.NiahError(f"{args.model} ships no chat template, which the prompts are rendered with")
     out = Path(args.out)
@@ -154,7 +150,7 @@ def cmd_niah(args: argparse.Namespace) -> None:
     prompts = niah.build_prompts(RequestBuilder(tokenizer, template), cfg)  # tokens only: no model yet
     enable_compile_cache()
     result = niah.run_niah(
-        load_model(args.model),
+        checkpoint.weights(),
         tokenizer,
         prompts,
         cfg,
@@ -191,13 +187,15 @@ def add_calibration_suite_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def calibrate_on_suite(args: argparse.Namespace, llm, options: dict):
-    """Calibration statistics on BFCL's calibration part, as `calibrate`'s flags ask."""
+def calibrate_on_suite(args: argparse.Namespace, checkpoint, options: dict):
+    """Calibration statistics on BFCL's calibration part, as `calibrate`'s flags ask, for a `Checkpoint`."""
     from pask_jax.experiments.bfcl.calibration import calibrate, calibration_items
 
     rule = args.split_rule or SPLIT_RULE
     items = calibration_items(8 if args.per_category is None else args.per_category, rule=rule)
-    return calibrate(llm.model, llm.tokenizer, items, target=args.target or "own", rule=rule, **options)
+    return calibrate(
+        checkpoint.weights(), checkpoint.tokenizer, items, target=args.target or "own", rule=rule, **options
+    )
 
 
 def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:

@@ -920,15 +920,15 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(exc))
     import torch
 
-    from pask_jax import load_model, load_tokenizer, resolve_model_path
+    from pask_jax.checkpoint import Checkpoint
 
     start = time.perf_counter()
     torch.set_num_threads(cfg.threads)
-    path = resolve_model_path(cfg.model)
-    tokenizer = load_tokenizer(cfg.model)
+    checkpoint = Checkpoint.open(cfg.model)
+    path, tokenizer = checkpoint.path, checkpoint.tokenizer
     prompts = bench_prompts(tokenizer, cfg.category, max(cfg.batches), cfg.prompt_tokens)
     t0 = time.perf_counter()
-    model = load_model(cfg.model)
+    model = checkpoint.weights("float32")
     load_ours = time.perf_counter() - t0
     t0 = time.perf_counter()
     hf, hf_how = load_transformers(path)

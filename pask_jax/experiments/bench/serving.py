@@ -73,7 +73,7 @@ from pask_jax.experiments.bench.workloads import Workload, build_workload, workl
 from pask_jax.factory import make_engine
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.models.tokenizer import Tokenizer
-from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
+from pask_jax.policy import PersistencePolicy, resolve_policy
 from pask_jax.structure import GrammarConstraint
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -132,12 +132,11 @@ class Setup:
 def load_setup(cfg: BenchConfig) -> Setup:
     if cfg.model == TINY:
         return Setup(TINY, Qwen3(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(cfg.seed)), None, None)
-    from pask_jax import load_model, load_tokenizer
+    from pask_jax.checkpoint import Checkpoint
 
-    model, tokenizer = load_model(cfg.model), load_tokenizer(cfg.model)
-    fingerprint = ModelFingerprint.of(model.config, tokenizer)
-    policy = resolve_policy(cfg.policy or None, fingerprint) if "pask" in cfg.methods else None
-    return Setup(cfg.model, model, tokenizer, policy)
+    checkpoint = Checkpoint.open(cfg.model)
+    policy = resolve_policy(cfg.policy or None, checkpoint.fingerprint) if "pask" in cfg.methods else None
+    return Setup(cfg.model, checkpoint.weights("float32"), checkpoint.tokenizer, policy)
 
 
 def bench_engine(setup: Setup, method: str, budget: float, cfg: BenchConfig) -> Engine:
