@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         help=f"{', '.join(METHOD_NAMES)}, or NAME:LABEL, a labelled variant of the method config "
         "(e.g. pask:v1, the first PASK)",
     )
-    p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
+    p.add_argument("--method-config", help="TOML of method variants and overrides, on top of configs/methods.toml")
     p.add_argument("--budget", type=budget_value, default=0.33, help="total KV budget in (0, 1] (full KV: 1)")
     p.add_argument(
         "--policy", default="auto", help="PASK policy: auto (the shipped one that fits the model), a directory, none"

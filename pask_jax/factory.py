@@ -1,8 +1,8 @@
 """One engine factory: a method name, budget and policy in; an `Engine` whose method and budget agree out.
 
 Every entry point (the `LLM` API, `pask-jax run`, calibration, the experiments and benchmarks) builds engines here, so a
-PASK policy is always used at a budget it answers, full KV always runs at budget 1, and method hyper-parameters come
-from one place (the packaged `configs/methods.toml`, overridden per call).
+PASK policy is always used at a budget it answers, full KV always runs at budget 1, and method hyper-parameters are
+the method's dataclass defaults with a spec's overrides (a labelled variant of the method config, or the caller's).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from jax.sharding import Mesh
 
 from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine
-from pask_jax.methods import METHODS, load_method_config, make_method
+from pask_jax.methods import METHODS, make_method
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.policy import PersistencePolicy
 
@@ -67,7 +67,7 @@ def make_engine(
 ) -> Engine:
     """An engine running `method` (a name in `METHODS`) at total KV budget `budget`.
 
-    `overrides` replace hyper-parameters of the method's section in the default method config. `policy` (PASK only)
+    `overrides` replace the method's default hyper-parameters (its dataclass fields). `policy` (PASK only)
     must answer `budget`; the layer groups then come from it (`num_groups` must agree if given). Full KV keeps
     every entry: its budget must be 1. `mesh`: a (`data`, `model`) device mesh (`make_mesh`), see `Engine`.
     """
@@ -84,10 +84,9 @@ def make_engine(
         if num_groups is not None and num_groups != policy.groups:
             raise ValueError(f"num_groups={num_groups}, but the policy was calibrated with {policy.groups} groups")
         num_groups = policy.groups
-    params = load_method_config().get(method, {}) | dict(overrides or {})
     return Engine(
         model,
-        method=make_method(method, params, policy=policy, budget=budget),
+        method=make_method(method, overrides, policy=policy, budget=budget),
         budget=budget,
         num_groups=num_groups or DEFAULT_GROUPS,
         use_kernel=use_kernel,

@@ -110,7 +110,7 @@ def test_run_takes_a_labelled_variant_and_names_a_missing_one(tmp_path: Path, ca
     args = argparse.Namespace(method="pask:v1", method_config=None, budget=0.2, policy="auto")
     options = cli._llm_options(args)
     assert options["method"] == "pask" and options["policy"] == "auto"
-    assert options["method_overrides"] == {"sinks": 1, "rank": "recency", "pooling": "none", "system_as_request": False}
+    assert options["method_overrides"] == {"rank": "recency", "system_as_request": False}  # the variant alone
     args.method = "snapkv"
     assert cli._llm_options(args)["method_overrides"] is None  # no variant, no config file: the method's defaults
     inp = tmp_path / "in.jsonl"

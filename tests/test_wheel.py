@@ -67,5 +67,5 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["package"].startswith(site) and str(REPO) not in result["package"]
     assert result["config_file"].startswith(site)
-    assert result["tokens"] >= 1 and "snapkv" in result["method_config"]
+    assert result["tokens"] >= 1 and "pask:v1" in result["method_config"]
     assert result["policy_budgets"] == [0.2, 0.33, 0.5]

@@ -248,7 +248,7 @@ def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
         help="compiled PASK policy directory (from `pask-jax calibrate`), for method pask; LABEL=PATH for pask:LABEL "
         "(repeatable)",
     )
-    p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
+    p.add_argument("--method-config", help="TOML of method variants and overrides, on top of configs/methods.toml")
     p.add_argument("--out", help="write the full results JSON here")
     p.set_defaults(func=cmd_bfcl, check=check_bfcl)
     p = sub.add_parser("niah", help="needle-in-a-haystack retrieval for every method at the same KV budgets")
@@ -274,7 +274,7 @@ def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
         action="append",
         help="[LABEL=]PATH: a compiled PASK policy, run as method pask:LABEL (default label: calibrated); repeatable",
     )
-    p.add_argument("--method-config", help="TOML of method hyper-parameters (default: configs/methods.toml)")
+    p.add_argument("--method-config", help="TOML of method variants and overrides, on top of configs/methods.toml")
     p.add_argument("--out", required=True, help="results JSON; an existing one is resumed (only missing cells run)")
     p.set_defaults(func=cmd_niah, check=check_niah)
     # prefix "+": every "--flag" after `bench` is passed through to the script's own parser (`pask-jax bench --help`)

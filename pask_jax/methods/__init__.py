@@ -22,10 +22,11 @@ METHODS: dict[str, type[KVMethod]] = {
 
 
 def load_method_config(path: str | Path | None = None) -> dict[str, dict]:
-    """Per-method hyper-parameters: the packaged `pask_jax/configs/methods.toml`, with a TOML file's values on top
-    (a section of `path` updates the packaged section of the same name key by key).
+    """Hyper-parameter overrides per section: the packaged `pask_jax/configs/methods.toml` (labelled variants; the
+    defaults are the dataclass fields), with a TOML file's values on top (a section of `path` updates the packaged
+    section of the same name key by key).
 
-    A section is a method name, or `name:LABEL` for one labelled variant in a sweep (e.g. `["pask:dapq_rank"]`)."""
+    A section is a method name, or `name:LABEL` for one labelled variant in a sweep (e.g. `["pask:release"]`)."""
     config = _read_method_config(DEFAULT_METHOD_CONFIG.read_text(), DEFAULT_METHOD_CONFIG)
     if path is not None:
         path = Path(path)
