@@ -22,7 +22,7 @@ from tools.report import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = sorted((REPO / "docs" / "results").glob("*.md"))
+DOCS = [REPO / "README.md", *sorted((REPO / "docs" / "results").glob("*.md"))]
 ARCHIVE = REPO / "docs" / "results" / "archive.md"
 needs_bfcl_data = pytest.mark.skipif(
     importlib.util.find_spec("bfcl_eval") is None, reason="the overlap tables read BFCL's tool sets"

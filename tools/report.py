@@ -650,6 +650,53 @@ def schema_paired(root: Path, file: str = SCHEMA_EVAL) -> str:
     return _block(claim + ".", _table(["A vs B", *PAIRED_HEAD], rows))
 
 
+def readme_headline(root: Path, files: Sequence[str] = (SCHEMA_EVAL, SCHEMA_EVAL_1_5B)) -> str:
+    """The README's results table: each model's frozen evaluation (`schema_eval`) side by side, as the mean over the
+    full-KV-positive categories per method, then PASK paired against its model's best tuned baseline and full KV."""
+    evals = [_frozen_eval(root, file) for file in files]
+    models = [result["model"] for result, _, _ in evals]
+    cells: dict[tuple[str, str], list[str]] = {}
+    order: list[tuple[str, str]] = []
+    paired: dict[str, list[str]] = {"best": [], "full": []}
+    parts = []
+    for k, (result, chosen, positive) in enumerate(evals):
+        (budget,) = _scored_budgets(result, chosen["pask"])
+        specs = [("full", 1.0)] + [(s, budget) for s in _shown_specs(result, chosen, budget)]
+        for spec, b in specs:
+            key = (spec, f"{b:g}")
+            if key not in cells:
+                order.append(key)
+                cells[key] = ["-"] * len(evals)
+            cells[key][k] = _eval_row(result, spec, b, positive, [])[-2]
+        best = _best_tuned(result, chosen, budget, positive)
+        pask = outcomes(result, chosen["pask"], budget, positive)
+        for name, other in (
+            ("best", outcomes(result, best, budget, positive)),
+            ("full", outcomes(result, "full", 1.0, positive)),
+        ):
+            row = _paired_row("", pask, other)
+            paired[name].append(f"{row[6]}, p = {row[7]}")
+        parts.append(
+            f"{result['model']} PASK {cells[(chosen['pask'], f'{budget:g}')][k]}, full KV {cells[('full', '1')][k]}, "
+            f"best tuned baseline {best} {cells[(best, f'{budget:g}')][k]}"
+        )
+    first, first_chosen, _ = evals[0]
+    head_budget = f"{_scored_budgets(first, first_chosen['pask'])[0]:g}"
+    pinned = [("full", "1"), (first_chosen["pask"], head_budget)]  # then the baselines by the first model's score
+    first_score = {key: float(cells[key][0]) if cells[key][0] != "-" else 0.0 for key in order}
+    rest = sorted((key for key in order if key not in pinned), key=lambda key: -first_score[key])
+    rows = [[spec, b, *cells[(spec, b)]] for spec, b in pinned + rest]
+    rows.append(["PASK - best tuned baseline", head_budget, *paired["best"]])
+    rows.append(["PASK - full KV", head_budget, *paired["full"]])
+    items = sum(n for _, n in category_scores(first, "full", 1.0).values())
+    claim = (
+        f"BFCL, schema split, {items} evaluation items ({', '.join(evals[0][2])}), frozen methods, b = {head_budget}: "
+        + "; ".join(parts)
+        + "."
+    )
+    return _block(claim, _table(["method", "b", *models], rows))
+
+
 WRONG_FUNCTION = "simple_function_checker:wrong_func_name"  # BFCL's error type for a call to another function
 
 
@@ -1173,6 +1220,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "schema_paired": schema_paired,
     "schema_eval_1_5b": functools.partial(schema_eval, file=SCHEMA_EVAL_1_5B),
     "schema_paired_1_5b": functools.partial(schema_paired, file=SCHEMA_EVAL_1_5B),
+    "readme_headline": readme_headline,
     "long_prompts_2k_question_last": functools.partial(long_prompts, file="results/bfcl_long2k_question_last.json"),
     "long_prompts_2k_question_first": functools.partial(long_prompts, file="results/bfcl_long2k_question_first.json"),
     **{

@@ -1,6 +1,7 @@
 """Write the tables of the results documents from the committed results files, or check that they match them.
 
-    python -m tools.results_tables            # rewrite every `<!-- table:NAME -->` block of docs/results/*.md
+    python -m tools.results_tables            # rewrite every `<!-- table:NAME -->` block of docs/results/*.md and
+                                              # the README
     python -m tools.results_tables --check    # exit 1, naming the stale tables, if any block differs
 
 The tables are defined in `tools.report`; each lives in one of the documents, and the text around the blocks is left
@@ -17,7 +18,7 @@ from pathlib import Path
 from tools.report import TABLES, ReportError, render_tables, stale_in_documents, table_blocks
 
 REPO = Path(__file__).resolve().parents[1]  # run from the repository root: `python -m tools.results_tables`
-DOCUMENTS = sorted((REPO / "docs" / "results").glob("*.md"))
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs" / "results").glob("*.md"))]
 
 
 def main(argv: list[str] | None = None) -> int:
