@@ -149,3 +149,19 @@ def test_release_ranks_unchosen_entries_below_every_level():
         method.release_unchosen_tools(0, priority, pos, tool, jnp.asarray([NO_TOOL])), priority
     )
     np.testing.assert_array_equal(PaskKV().release_unchosen_tools(0, priority, pos, tool, jnp.asarray([0])), priority)
+
+
+def test_a_call_written_as_text_under_auto_gets_the_call_roles(builder, qwen_tok):
+    prepared = builder.prepare(parse_request(request([WEATHER, TIME])))  # tool_choice defaults to "auto"
+    assert prepared.grammar.kind == "auto"
+    constraint = GrammarConstraint([prepared.grammar], qwen_tok.vocab_size)
+    text = 'Sure:\n```json\n{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}\n```\nDone.'
+    by_role: dict[int, str] = {}
+    for token in qwen_tok.encode(text + "<|im_end|>"):
+        role = int(constraint.advance(np.asarray([token]))[0])
+        by_role[role] = by_role.get(role, "") + qwen_tok.decode([token])
+    assert "Sure" in by_role[Role.FREE_TEXT] and "Done" in by_role[Role.FREE_TEXT]
+    assert "get_time" in by_role[Role.FUNCTION_NAME] and "zone" in by_role[Role.ARG_KEY]
+    assert "Europe/Paris" in by_role[Role.ARG_STRING] and by_role[Role.END_OF_TURN] == "<|im_end|>"
+    assert "get_time" not in by_role[Role.FREE_TEXT]
+    assert constraint.called_tools()[0] == 1  # the text call's function, read as any call's

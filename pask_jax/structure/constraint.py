@@ -11,6 +11,7 @@ import numpy as np
 from outlines_core import Guide
 
 from pask_jax.structure.grammar import CompiledGrammar
+from pask_jax.structure.lexer import LEX_PROSE, lex_token
 from pask_jax.structure.roles import NO_TOOL, Role
 
 # a call's function name, as every call framing writes it (the envelope is JSON; names hold no quotes)
@@ -53,7 +54,9 @@ class GrammarConstraint:
     further token without error (the engine keeps stepping finished rows); those tokens get END_OF_TURN (an EOS id)
     or FREE_TEXT. ``mask_s`` / ``advance_s`` / ``steps`` count host seconds, for the parser time per step.
     ``called_tools`` reads the function name of the call being written from its bytes (the index into the row's
-    ``function_names``), from the token that closes the name until the next call starts.
+    ``function_names``), from the token that closes the name until the next call starts. A text answer under
+    ``tool_choice="auto"`` is lexed as prose (``LEX_PROSE``): a call the model writes there as text (a json fence,
+    bare JSON) gets the call's roles, not FREE_TEXT, and its function name is read as any call's.
     """
 
     def __init__(self, grammars: Sequence[CompiledGrammar], vocab_size: int):
@@ -71,6 +74,7 @@ class GrammarConstraint:
         self.between_calls = np.zeros(len(self.grammars), bool)
         self.called = np.full(len(self.grammars), NO_TOOL, np.int32)
         self._call_bytes = [bytearray() for _ in self.grammars]  # the current call's bytes until its name is read
+        self._prose = [LEX_PROSE] * len(self.grammars)  # a text answer's lexer state
         self.mask_s = 0.0
         self.advance_s = 0.0
         self.steps = 0
@@ -117,6 +121,9 @@ class GrammarConstraint:
                     f"{grammar.witnesses.get(state, b'?')[-60:]!r}); was the mask applied to the logits?"
                 )
             roles[i] = step.role
+            raw = grammar.vocab.token_bytes[token]
+            if step.role == Role.FREE_TEXT and raw:  # a text answer: a call written in it takes the call's roles
+                self._prose[i], roles[i], _ = lex_token(self._prose[i], raw)
             self.states[i], self.finished[i], self.between_calls[i] = step.state, step.ended, step.between_calls
             self._read_called(i, grammar, token)
             if step.between_calls:

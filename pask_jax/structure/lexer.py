@@ -10,7 +10,9 @@ Roles: quotes belong to their string; the call envelope's keys ``"name"`` / ``"a
 brackets, commas and colons are STRUCTURAL; the value of ``"name"`` is FUNCTION_NAME; keys inside the arguments (and
 inside a ``response_format`` value) are ARG_KEY, values ARG_STRING / ARG_NUMBER / ARG_LITERAL; whitespace inside the
 JSON is WHITESPACE; bytes outside the JSON (markers, fences, newlines around and between calls) are FRAMING; a text
-answer (``tool_choice="auto"``) is FREE_TEXT; the end-of-turn marker is END_OF_TURN.
+answer (``tool_choice="auto"``) is FREE_TEXT; the end-of-turn marker is END_OF_TURN. ``LEX_PROSE`` reads a text
+answer that may hold a call the model wrote as text (a fence, bare JSON): its prose is FREE_TEXT, and a JSON value
+in it is lexed as a call, so the call's tokens get the call's roles.
 """
 
 from __future__ import annotations
@@ -42,12 +44,15 @@ class LexState(NamedTuple):
     stack: tuple[Frame, ...] = ()
     string: StringLex | None = None
     scalar: int | None = None  # the role of the number or literal being read
-    outside: str = "framing"  # bytes outside any JSON value: "framing" | "undecided" (auto: call or text?) | "text"
+    # bytes outside any JSON value: "framing" | "undecided" (auto: call or text?) | "text" | "prose" (text that may
+    # hold a call written as JSON)
+    outside: str = "framing"
 
 
 LEX_CALLS = LexState()  # tool calls: outside the JSON is framing
 LEX_AUTO = LexState(outside="undecided")  # tool_choice="auto": a first byte other than <tool_call> starts a text answer
 LEX_JSON = LexState(stack=(Frame("root", "value", None),))  # response_format: the turn is one JSON value
+LEX_PROSE = LexState(outside="prose")  # a text answer: prose, and any JSON value in it read as a call
 _WS = frozenset(b" \t\r\n")
 _NUMBER_START = frozenset(b"-0123456789")
 _SCALAR_BYTES = frozenset(b"0123456789+-.eEtruefalsn")
@@ -79,10 +84,13 @@ def lex_step(state: LexState, byte: int) -> tuple[LexState, int]:
     if not stack:
         if outside == "text" or (outside == "undecided" and byte != CALL_OPEN[0]):
             return LexState(stack, None, None, "text"), Role.FREE_TEXT
+        if outside == "prose" and byte not in (0x7B, 0x5B):
+            return state, Role.FREE_TEXT
+        after = "prose" if outside == "prose" else "framing"
         if byte == 0x7B:  # {
-            return LexState((Frame("call", "key", None),), None, None, "framing"), Role.STRUCTURAL
+            return LexState((Frame("call", "key", None),), None, None, after), Role.STRUCTURAL
         if byte == 0x5B:  # [
-            return LexState((Frame("calls", "value", None),), None, None, "framing"), Role.STRUCTURAL
+            return LexState((Frame("calls", "value", None),), None, None, after), Role.STRUCTURAL
         return LexState(stack, None, None, "framing"), Role.FRAMING
     kind, expect, key = stack[-1]
     if byte in _WS:
