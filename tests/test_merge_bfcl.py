@@ -63,3 +63,11 @@ def test_load_renames_methods(tmp_path: Path):
     assert sorted(run["method"] for run in merged["runs"]) == ["pask", "pask:canonical8"]
     with pytest.raises(ValueError, match="OLD=NEW"):
         merge_bfcl.load(f"{path}#snapkv=x")
+
+
+def test_each_method_keeps_the_settings_of_the_result_that_ran_it():
+    a, b = result([item(0, True)], method="snapkv:w8"), result([item(1, True)], method="pask")
+    a["config"]["method_config"] = {"snapkv": {"window": 32}, "snapkv:w8": {"window": 8}, "pask": {"rank": "recency"}}
+    b["config"]["method_config"] = {"snapkv": {"window": 16}, "pask": {"rank": "dapq_tier"}}
+    merged = merge_bfcl.merge([a, b])["config"]["method_config"]
+    assert merged == {"snapkv": {"window": 32}, "snapkv:w8": {"window": 8}, "pask": {"rank": "dapq_tier"}}

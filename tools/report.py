@@ -504,6 +504,10 @@ class Tuning:
 
 
 SHORT_TUNING = Tuning((DEV_TUNING,), TUNING_BUDGET)  # the frozen methods of section 1
+V2_TUNING = Tuning(  # PASK v2 on long prompts: the long-prompt baselines' dev runs with PASK v2's candidates
+    ("results/dev_v2/bfcl_dev_long2k_v2_question_last.json", "results/dev_v2/bfcl_dev_long2k_v2_question_first.json"),
+    0.2,
+)
 LONG_TUNING = Tuning(  # long prompts: every method's variant chosen on long dev prompts, both layouts
     ("results/dev_long/bfcl_dev_long2k_question_last.json", "results/dev_long/bfcl_dev_long2k_question_first.json"),
     0.2,
@@ -1229,6 +1233,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
         )
         for layout in ("question_last", "question_first")
     },
+    "dev_tuning_v2_long2k": functools.partial(dev_tuning, tuning=V2_TUNING),
 }
 
 

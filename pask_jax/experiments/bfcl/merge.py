@@ -58,6 +58,16 @@ def merge(results: list[dict], methods: set[str] | None = None, replace: bool = 
         }
         runs.append(run)
     config = results[0]["config"] | {"merged_from": [r["config"] for r in results]}
+    # each method's settings as the result that ran it recorded them (a section another result lacks, or set
+    # differently for a method it did not run, must not change what a row reports)
+    ran_by = {run["method"]: r["config"] for r in results for run in r["runs"]}
+    config["method_config"] = {
+        section: values
+        for spec, source in ran_by.items()
+        for section, values in source.get("method_config", {}).items()
+        if section in (spec, spec.partition(":")[0])
+    }
+    config["policies"] = {k: v for r in results for k, v in r["config"].get("policies", {}).items()}
     return {"model": results[0]["model"], "config": config, "runs": runs, "summary": summarize_runs(runs)}
 
 
