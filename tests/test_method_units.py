@@ -326,10 +326,10 @@ def test_pask_rank_pooling_and_system_as_request_options():
     assert recency[4] > recency[3] and recency[6] > recency[5]  # inside a level, the later entry stays
     request = _pask_prefill(PaskKV(**tables, rank="recency"), roles, dapq)
     np.testing.assert_array_equal(level(request[1:3]), level(recency[7]))  # now floor-protected as the user's turn
-    ranked = _pask_prefill(PaskKV(**tables, rank="dapq", system_as_request=False), roles, dapq)
+    ranked = _pask_prefill(PaskKV(**tables, rank="dapq", pooling="none", system_as_request=False), roles, dapq)
     assert ranked[3] > ranked[4] and ranked[5] > ranked[6]  # inside a level, DapQ's order
     assert ranked[4] > ranked[5]  # levels still first: a parameter name outranks every description
-    tier = _pask_prefill(PaskKV(**tables, system_as_request=False), roles, dapq)
+    tier = _pask_prefill(PaskKV(**tables, pooling="none", system_as_request=False), roles, dapq)
     unprotected = [3, 4, 5, 6]
     assert sorted(unprotected, key=lambda i: tier[i]) == [4, 6, 5, 3]  # DapQ alone orders the unprotected
     assert tier[7] > tier[unprotected].max()  # the floor-protected user text stays above all of them

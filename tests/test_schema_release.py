@@ -125,14 +125,16 @@ def test_pask_evicts_the_tools_not_called_first():
     model = tiny_model("qwen2", seed=1)
     tools_row = [NO_TOOL] + [0] * 6 + [1] * 6  # the sink, then tool 0's definition, then tool 1's
     of_tool = {t: {i for i, k in enumerate(tools_row) if k == t} for t in (0, 1)}
-    release = PaskKV(schema_release=True)
+    release = PaskKV(schema_release=True, pooling="none")  # unpooled: the prefill keeps entries of both tools
     for called, other in ((0, 1), (1, 0)):
         rows = _evicted_prompt_positions(model, release, tools_row, called, steps=4)
         assert any(evicted & of_tool[other] for evicted, _ in rows)  # the cap did take the other tool's entries
         for evicted, kept in rows:  # and the called tool's only once the other's are gone
             assert not (evicted & of_tool[called]) or not (kept & of_tool[other]), (called, evicted, kept)
     unknown = _evicted_prompt_positions(model, release, tools_row, NO_TOOL, steps=4)
-    assert unknown == _evicted_prompt_positions(model, PaskKV(), tools_row, 0, steps=4)  # no name yet: no release
+    assert unknown == _evicted_prompt_positions(
+        model, PaskKV(pooling="none"), tools_row, 0, steps=4
+    )  # no name yet: no release
     # without the release some (layer, head) lets one tool's entries go while the other's stay: the release, for one
     # of the two calls, is what changed it
     assert any((e & of_tool[a]) and (k & of_tool[b]) for e, k in unknown for a, b in ((0, 1), (1, 0)))

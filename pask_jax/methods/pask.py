@@ -21,8 +21,8 @@ Hyper-parameters:
   still protect their entries, and DapQ, not the calibrated priority, orders the rest of the prompt. "dapq": inside
   a level, by DapQ's scores instead of position. "recency": inside a level, by position (the first PASK's rule).
   The query-aware order needs no grammar, so free-text answers keep it too.
-- `pooling`: "none" (default) or "max" / "avg": DapQ's scores pooled along the keys (SnapKV's kernel of 7) before
-  they order entries.
+- `pooling`: "max" (default), "avg" or "none": DapQ's scores pooled along the keys (SnapKV's kernel of 7) before
+  they order entries (the long-prompt dev choice).
 - `system_as_request`: score a system message's text as REQUEST_TEXT (the request's floor, priority and action),
   default on. A system message either states the task or holds the request itself (a request placed before the
   tools); calibration items carry a fixed instruction there, which would give SYSTEM_TEXT nothing.
@@ -70,7 +70,7 @@ class PaskKV(KVMethod):
     release_window: int = 8
     sinks: int = 1
     rank: str = "dapq_tier"  # or "dapq" / "recency"
-    pooling: str = "none"  # of the DapQ scores that order entries: or "max" / "avg"
+    pooling: str = "max"  # of the DapQ scores that order entries: or "none" / "avg"
     system_as_request: bool = True
     schema_release: bool = False
 
