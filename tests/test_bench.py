@@ -54,7 +54,7 @@ def runs_by_method(result: dict) -> dict[str, dict]:
 
 def hand_cache_bytes(fraction: float, batch: int) -> int:
     """Tiny model (2 layers -> 2 groups of 1 layer, K=2 KV heads, H=16, float32): K and V f32[C, H] per slot, then
-    pos / role / tool / score / table (4 bytes each) per slot, a length per (row, head) and one overflow flag per group."""
+    pos / role / tool / score / table (4 bytes each) per slot, a length per (row, head), one overflow flag per group."""
     capacity = min(math.ceil(round(fraction * (PROMPT_BUCKET + NEW_BUCKET), 6)), PROMPT_BUCKET + NEW_BUCKET) + 1
     kv_heads, head_dim = 2, 16
     per_group = batch * kv_heads * capacity * (2 * head_dim * 4 + 5 * 4) + batch * kv_heads * 4 + 1
