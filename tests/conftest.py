@@ -1,24 +1,27 @@
-"""Shared fixtures: tiny random models, the offline Qwen tokenizer, synthetic calibration statistics."""
+"""Shared fixtures: tiny random models, the offline Qwen tokenizer, the method matrix's model and engines (the plain
+helpers behind them are in tests/support.py)."""
 
 from __future__ import annotations
 
 import gc
 import os
-import types
 
 import jax
-import numpy as np
 import pytest
-from flax import nnx
+from support import (  # noqa: F401  (re-exported: modules import these helpers from conftest too)
+    QWEN_VOCAB,
+    SYNTHETIC_LEVELS,
+    Matrix,
+    matrix_model,
+    synthetic_stats,
+    tiny_model,
+)
 
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
-from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
+from pask_jax.models.qwen3 import Qwen3
 
 # The CLI keeps compiled executables on disk; tests must not write them into the user's cache.
 os.environ["PASK_JAX_XLA_CACHE"] = "off"
-
-QWEN_VOCAB = 151_936  # the Qwen2.5 checkpoints' embedding rows (the tokenizer's ids fit below it)
-SYNTHETIC_LEVELS = (0.0, 0.25, 0.5, 0.75)
+QUICK_COMPILES = "jax_disable_most_optimizations"  # (env JAX_DISABLE_MOST_OPTIMIZATIONS: for subprocesses)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -30,9 +33,14 @@ def _release_compiled_executables():
     gc.collect()
 
 
-def tiny_model(architecture: str = "qwen3", seed: int = 0, **overrides) -> Qwen3:
-    """A random few-kB model of one of the three families (`ModelConfig.tiny` plus overrides)."""
-    return Qwen3(ModelConfig.tiny(architecture, **overrides), rngs=nnx.Rngs(seed))
+@pytest.fixture(scope="module")
+def quick_compiles():
+    """XLA skips most optimization passes for this module's compiles (about a third less compile time; tiny models
+    run faster unoptimized than compiling them takes). For modules whose invariants compare runs compiled alike."""
+    before = jax.config.read(QUICK_COMPILES)
+    jax.config.update(QUICK_COMPILES, True)
+    yield
+    jax.config.update(QUICK_COMPILES, before)
 
 
 @pytest.fixture(scope="session")
@@ -49,32 +57,8 @@ def tiny_qwen_vocab() -> Qwen3:
     return tiny_model("qwen2", vocab_size=QWEN_VOCAB, hidden_size=32, intermediate_size=64)
 
 
-def synthetic_stats(num_layers: int = 4, groups: int = 2) -> types.SimpleNamespace:
-    """Calibration statistics by hand: USER_TEXT is fragile (any removal below 75% breaks the call), DESCRIPTION is
-    harmless and cheap to drop, TOOL_NAME breaks only when all of it goes and distorts the most."""
-    r = num_roles()
-    entries = np.zeros((r, groups))
-    entries[[Role.TEMPLATE, Role.TOOL_NAME, Role.DESCRIPTION, Role.USER_TEXT, Role.SCHEMA_PUNCT]] = [
-        [20] * groups,
-        [5] * groups,
-        [60] * groups,
-        [15] * groups,
-        [40] * groups,
-    ]
-    task_error = np.zeros((r, groups, len(SYNTHETIC_LEVELS)))
-    task_error[Role.USER_TEXT] = [[0.5, 0.4, 0.2, 0.0]] * groups
-    task_error[Role.TOOL_NAME] = [[0.3, 0.0, 0.0, 0.0]] * groups
-    distortion = np.full((r, groups), 0.01)
-    distortion[Role.TOOL_NAME] = 0.5
-    distortion[Role.DESCRIPTION] = 0.001
-    return types.SimpleNamespace(
-        entries=entries,
-        task_error=task_error,
-        distortion_per_entry=distortion,
-        levels=SYNTHETIC_LEVELS,
-        model="tiny-qwen3",
-        num_layers=num_layers,
-        groups=groups,
-        taxonomy=TAXONOMY_VERSION,
-        item_ids=["simple_python_3", "multiple_7"],
-    )
+@pytest.fixture(scope="module")
+def matrix() -> Matrix:
+    """The method matrix's engines and static generations, made once per module (jax.clear_caches runs after each
+    module, so the compiled steps they share live as long)."""
+    return Matrix(matrix_model())

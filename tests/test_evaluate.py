@@ -29,8 +29,9 @@ def test_run_bfcl_shape_and_split(tiny_qwen: Qwen3):
         assert run["n"] == 2 and [i["id"] for i in run["items"]] == expected_ids
         assert not any(bfcl.is_calibration(i) for i in expected_ids)
         for item in run["items"]:
-            # a random model rarely finishes a call in 24 tokens, but everything it wrote obeys the grammar
-            assert item["text"].startswith("<tool_call>\n{") or item["generated_tokens"] < 3
+            # a random model rarely finishes a call in 24 tokens, but everything it wrote obeys the grammar (which
+            # ends a call no sooner than its closing tag: the framing's three tokens always come first)
+            assert item["text"].startswith("<tool_call>\n{")
             assert item["valid"] == (item["error_type"] is None)  # the checker's verdict, recorded as given
             assert item["parsed"] == (item["error_type"] != "ast_decoder:decoder_failed")
             assert item["kept_ratio_max"] <= (1.0 if run["method"] == "full" else 0.5 + 0.05)

@@ -2,69 +2,37 @@
 
 A case is a method instance built for the budget it runs at (PASK's policy tables are per budget), so variants of one
 method (a small SnapKV window, DapQ's content choices, PASK with a synthetic policy or DapQ ranking) are cases too.
+Every compressed invariant runs at one budget (`BUDGET`), so the tests of a case share its engine, its compiled steps
+and its static generation of PROMPTS (the `matrix` fixture); budget 1 is the second plan of a case.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import pytest
-from conftest import synthetic_stats
 from flax import nnx
+from support import BUCKETS, BUDGET, CASES, NEW, PROMPTS, ROLES, Matrix
 
-from pask_jax.calibration.compiler import compile_policy
 from pask_jax.engine import Engine, SamplingConfig, generate_shared
-from pask_jax.methods import METHODS, DapQ, KVMethod, PaskKV, PyramidKV, SnapKV
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.scheduler import ContinuousBatcher, SequenceRequest
-from pask_jax.structure.roles import Role
 
-PROMPTS = [list(range(3, 40)), [7, 7, 120, 5, 9, 11, 13, 2, 2, 8, 100, 101], list(range(50, 75))]
-NEW = 20
-BUCKETS = (16, 64)
-ROLES = [[Role.SINK] + [Role.DESCRIPTION if i % 3 else Role.USER_TEXT for i in range(1, len(p))] for p in PROMPTS]
+NAMES = sorted(CASES)
+pytestmark = pytest.mark.usefixtures("quick_compiles")  # thousands of small compiles, each run once or twice
 
 
 @pytest.fixture(scope="module")
-def model() -> Qwen3:
-    return Qwen3(ModelConfig.tiny("qwen3", num_layers=4, vocab_size=256), rngs=nnx.Rngs(5))
-
-
-@pytest.fixture(scope="module")
-def full_tokens(model: Qwen3) -> list[list[int]]:
-    gens = Engine(model, length_buckets=BUCKETS).generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))
+def full_tokens(matrix: Matrix) -> list[list[int]]:
+    """Full KV through an engine of its own (default groups: one per layer), no roles."""
+    gens = Engine(matrix.model, length_buckets=BUCKETS).generate(PROMPTS, SamplingConfig(max_new_tokens=NEW))
     return [g.tokens for g in gens]
 
 
-BUDGETS = (0.3, 0.4, 0.5, 1.0)  # every budget a test below runs at
-SYNTHETIC_POLICY = compile_policy(synthetic_stats(num_layers=4, groups=2), list(BUDGETS))
-
-CASES: dict[str, Callable[[float], KVMethod]] = {
-    **{name: (lambda budget, cls=cls: cls()) for name, cls in METHODS.items()},
-    "snapkv_window8_avg": lambda budget: SnapKV(window=8, pooling="avg"),
-    "pyramidkv_window4": lambda budget: PyramidKV(window=4),
-    "pyramidkv_window_inside": lambda budget: PyramidKV(window=4, allotment="pyramid"),
-    "dapq_last": lambda budget: DapQ(content="last", num_pseudo=8),
-    "dapq_random": lambda budget: DapQ(content="random", num_pseudo=8),
-    "dapq_max_pooled": lambda budget: DapQ(num_pseudo=8, pooling="max"),
-    "pask_policy": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget),
-    "pask_policy_dapq_rank": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget, rank="dapq"),
-    "pask_policy_v1": lambda budget: PaskKV.from_policy(
-        SYNTHETIC_POLICY, budget, rank="recency", system_as_request=False
-    ),
-}
-
-
-def make(model: Qwen3, case: str, budget: float) -> Engine:
-    return Engine(model, method=CASES[case](budget), budget=budget, num_groups=2, length_buckets=BUCKETS)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_running_cap_holds_at_every_step(model: Qwen3, name: str):
-    budget = 1.0 if name == "full" else 0.3
-    gens = make(model, name, budget).generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
-    for prompt, gen in zip(PROMPTS, gens, strict=True):
+@pytest.mark.parametrize("name", NAMES)
+def test_running_cap_holds_at_every_step(matrix: Matrix, name: str):
+    budget = 1.0 if name == "full" else BUDGET
+    for prompt, gen in zip(PROMPTS, matrix.static(name, budget), strict=True):
+        assert gen.stats.generated_tokens == NEW  # every request runs to its limit: every step is checked
         assert len(gen.stats.kept_ratios) == gen.stats.generated_tokens  # prefill + every step but the last token
         for t, ratio in enumerate(gen.stats.kept_ratios):
             full_tokens = len(prompt) + t
@@ -74,32 +42,32 @@ def test_running_cap_holds_at_every_step(model: Qwen3, name: str):
             assert gen.stats.kept_ratio_mean < budget + 0.05
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_budget_one_reproduces_full_kv(model: Qwen3, full_tokens: list[list[int]], name: str):
-    gens = make(model, name, 1.0).generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
-    assert [g.tokens for g in gens] == full_tokens
+@pytest.mark.parametrize("name", NAMES)
+def test_budget_one_reproduces_full_kv(matrix: Matrix, full_tokens: list[list[int]], name: str):
+    assert [g.tokens for g in matrix.static(name, 1.0)] == full_tokens
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_deterministic_and_batch_equals_single(model: Qwen3, name: str):
-    engine = make(model, name, 0.4)
-    first = [g.tokens for g in engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)]
-    again = [g.tokens for g in engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)]
+@pytest.mark.parametrize("name", NAMES)
+def test_deterministic_and_batch_equals_single(matrix: Matrix, name: str):
+    """A rerun gives the same tokens; so does every prompt in other rows beside other prompts (the same shapes), and
+    the shortest prompt alone: one row, its own length bucket (16, not the batch's 64) and capacities."""
+    engine, first = matrix.engine(name, BUDGET), [g.tokens for g in matrix.static(name, BUDGET)]
+    sampling = SamplingConfig(max_new_tokens=NEW)
+    again = [g.tokens for g in engine.generate(PROMPTS, sampling, prompt_roles=ROLES)]
     assert first == again
-    single = [
-        engine.generate([p], SamplingConfig(max_new_tokens=NEW), prompt_roles=[r])[0].tokens
-        for p, r in zip(PROMPTS[:2], ROLES, strict=False)
-    ]
-    assert single == first[:2]
+    moved = [1, 2, 0]  # every prompt in another row
+    rotated = engine.generate([PROMPTS[k] for k in moved], sampling, prompt_roles=[ROLES[k] for k in moved])
+    assert [g.tokens for g in rotated] == [first[k] for k in moved]
+    (single,) = engine.generate(PROMPTS[1:2], sampling, prompt_roles=ROLES[1:2])
+    assert single.tokens == first[1]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_continuous_batching_equals_static(model: Qwen3, name: str):
+@pytest.mark.parametrize("name", NAMES)
+def test_continuous_batching_equals_static(matrix: Matrix, name: str):
     """Five requests with their own token limits through four cache rows (one ends at its first token, its row takes
     the fifth request mid-run) give static batching's greedy tokens and kept ratios, each cut at its limit.
-    (The static run and the four-row shapes are those of the test above: its compiled steps are reused.)"""
-    engine = make(model, name, 0.4)
-    static = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
+    (The static run and the four-row shapes are those of the matrix's static generation: its steps are reused.)"""
+    engine, static = matrix.engine(name, BUDGET), matrix.static(name, BUDGET)
     which, limits = [0, 1, 2, 0, 1], [NEW, 3, 9, 1, 14]
     requests = [SequenceRequest(PROMPTS[k], n, ROLES[k]) for k, n in zip(which, limits, strict=True)]
     continuous = dict(ContinuousBatcher(engine, rows=4).run(requests))
@@ -110,9 +78,10 @@ def test_continuous_batching_equals_static(model: Qwen3, name: str):
         assert continuous[i].finish_reason == "length"
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_prefill_keeps_unique_valid_entries(model: Qwen3, name: str):
-    engine = make(model, name, 0.5)
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_keeps_unique_valid_entries(matrix: Matrix, name: str):
+    """(Four rows, the 64 bucket, capacities for 64 new tokens: the static generation's prefill, compiled once.)"""
+    engine = matrix.engine(name, BUDGET)
     lengths = np.array([len(p) for p in PROMPTS[:2]] + [1, 1], np.int32)
     tokens = np.zeros((4, 64), np.int32)
     for i, p in enumerate(PROMPTS[:2]):
@@ -128,27 +97,27 @@ def test_prefill_keeps_unique_valid_entries(model: Qwen3, name: str):
             assert length[idx] == min(quota, cache.capacity)
 
 
-def test_shared_prefill_equals_separate_engines(model: Qwen3):
+def test_shared_prefill_equals_separate_engines(matrix: Matrix):
     """A sweep's shared prefill (one forward, every method's own fill) gives each engine its own tokens and caps."""
-    engines = [make(model, name, 0.4) for name in sorted(CASES)]
+    engines = [matrix.engine(name, BUDGET) for name in NAMES]
     shared = generate_shared(engines, PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
-    for engine, gens in zip(engines, shared, strict=True):
-        alone = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
+    for name, engine, gens in zip(NAMES, engines, shared, strict=True):
+        alone = matrix.static(name, BUDGET)
         assert [g.tokens for g in gens] == [g.tokens for g in alone], engine.method.name
         assert [g.stats.kept_ratios for g in gens] == [g.stats.kept_ratios for g in alone], engine.method.name
 
 
-def test_shared_prefill_refuses_engines_of_different_models(model: Qwen3):
+def test_shared_prefill_refuses_engines_of_different_models(matrix: Matrix):
     other = Qwen3(ModelConfig.tiny("qwen3", num_layers=4, vocab_size=256), rngs=nnx.Rngs(6))
-    engines = [make(model, "full", 1.0), Engine(other, length_buckets=BUCKETS)]
+    engines = [matrix.engine("full", 1.0), Engine(other, length_buckets=BUCKETS)]
     with pytest.raises(ValueError, match="same model"):
         generate_shared(engines, PROMPTS, SamplingConfig(max_new_tokens=4))
     with pytest.raises(ValueError, match="one per engine"):
         generate_shared(engines[:1], PROMPTS, constraints=[None, None])
 
 
-def test_pask_without_any_roles_is_an_error(model: Qwen3):
-    engine = make(model, "pask_policy", 0.4)
+def test_pask_without_any_roles_is_an_error(matrix: Matrix):
+    engine = matrix.engine("pask_policy", BUDGET)
     with pytest.raises(ValueError, match="decides by token roles"):
         engine.generate(PROMPTS, SamplingConfig(max_new_tokens=4))
-    make(model, "snapkv", 0.4).generate(PROMPTS[:1], SamplingConfig(max_new_tokens=2))  # others need none
+    matrix.engine("snapkv", BUDGET).generate(PROMPTS[:1], SamplingConfig(max_new_tokens=2))  # others need none

@@ -1,5 +1,6 @@
 """Sharded inference on a CPU device mesh: every method (and PASK under a policy) gives one device's greedy tokens
-and kept entries on meshes (data, model) = (8, 1), (4, 2), (2, 4); parameters lie as the table says; a layout compiles
+and kept entries on the mesh (data, model) = (4, 2), which splits both axes; full KV and PASK under a policy do on
+(8, 1) and (2, 4) too (the KV heads whole on a model axis of 4); parameters lie as the table says; a layout compiles
 the steps one device compiles, once; bf16 tracks f32.
 
 The mesh runs need 8 devices, which XLA:CPU only fakes when `--xla_force_host_platform_device_count` is set before JAX
@@ -20,11 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import synthetic_stats, tiny_model
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_methods import BUCKETS, CASES, NEW, PROMPTS, ROLES
+from support import BUCKETS, CASES, NEW, PROMPTS, ROLES, synthetic_stats, tiny_model
 
 from pask_jax import engine as engine_module
 from pask_jax.calibration.compiler import compile_policy
@@ -53,6 +53,9 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: 
 STEPS = ("_prefill", "_decode", "_sample_masked")  # the engine's jitted steps
 # every method with its defaults, PASK under a (synthetic) policy, and SnapKV decoding through the Pallas kernel
 NAMES = (*sorted(METHODS), "pask_policy", "snapkv_kernel")
+EVERY_METHOD_LAYOUT = (4, 2)  # both axes split: every NAMES method runs on it; the other layouts run LAYOUT_NAMES
+LAYOUT_NAMES = ("full", "pask_policy")
+CONTINUOUS = "pask_policy"  # the method continuous batching runs on every layout
 POLICY = compile_policy(synthetic_stats(num_layers=2, groups=2), [BUDGET])
 MARK = "SHARDED-RESULTS:"
 CONTINUOUS_LIMITS = (NEW, 2, 9, 1, 14, 5, NEW, 3, 7, 11)
@@ -86,21 +89,27 @@ def placement_problems(model: Qwen3, mesh) -> list[str]:
     return problems
 
 
+def layout_names(layout: tuple[int, int] | None) -> tuple[str, ...]:
+    """The methods a layout runs: every one on one device (the reference) and on EVERY_METHOD_LAYOUT."""
+    return NAMES if layout in (None, EVERY_METHOD_LAYOUT) else LAYOUT_NAMES
+
+
 def step_executables() -> dict[str, int]:
     return {name: getattr(engine_module, name)._cache_size() for name in STEPS}
 
 
 def worker() -> None:
-    """Every NAMES method at BUDGET on one device and on each layout: tokens, kept ratios, prefill logits, compiles."""
+    """Each layout's methods (`layout_names`) at BUDGET on one device and on it: tokens, kept ratios, prefill logits,
+    continuous batching's tokens, parameter placement, compiles."""
     assert jax.device_count() == DEVICES, jax.devices()
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(lambda event, _, **kw: compiles.append(event == COMPILE_EVENT))
-    names = NAMES
     sampling = SamplingConfig(max_new_tokens=NEW)
     results = {}
     reference_logits = None
     for layout in (None, *LAYOUTS):
         mesh = None if layout is None else make_mesh(*layout)
+        names = layout_names(layout)
         model = methods_model()
         engines = [
             Engine(
@@ -130,9 +139,9 @@ def worker() -> None:
             untied = tiny_model("qwen2", tie_embeddings=False)  # q/k/v biases and an LM head: the other entries
             Engine(untied, mesh=mesh)
             placement = placement_problems(model, mesh) + placement_problems(untied, mesh)
-        snapkv = engines[names.index("snapkv")]  # continuous batching: 8 rows, 10 requests, rows refilled mid-run
+        batcher = ContinuousBatcher(engines[names.index(CONTINUOUS)], rows=8)  # 8 rows, 10 requests: refilled mid-run
         requests = [SequenceRequest(PROMPTS[i % 3], CONTINUOUS_LIMITS[i], ROLES[i % 3]) for i in range(10)]
-        continuous = dict(ContinuousBatcher(snapkv, rows=8).run(requests))
+        continuous = dict(batcher.run(requests))
         results[str(layout)] = {
             "continuous": [continuous[i].tokens for i in range(len(requests))],
             "tokens": {n: [g.tokens for g in gen] for n, gen in zip(names, gens, strict=True)},
@@ -149,7 +158,8 @@ def worker() -> None:
 @pytest.fixture(scope="module")
 def sharded() -> dict:
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
-    env = os.environ | {"XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
+    # XLA without most optimization passes (a third less compile time): every comparison is between runs compiled so
+    env = os.environ | {"XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
     here = Path(__file__).parent
     script = f"import sys; sys.path.insert(0, {str(here)!r}); import test_sharding; test_sharding.worker()"
     proc = subprocess.run(
@@ -162,16 +172,17 @@ def sharded() -> dict:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_every_method_gives_one_devices_tokens_and_kept_entries(sharded: dict, layout: tuple[int, int]):
     one, mesh = sharded["None"], sharded[str(layout)]
-    differ = [n for n in one["tokens"] if mesh["tokens"][n] != one["tokens"][n]]
+    assert sorted(mesh["tokens"]) == sorted(mesh["kept"]) == sorted(layout_names(layout))
+    differ = [n for n in mesh["tokens"] if mesh["tokens"][n] != one["tokens"][n]]
     assert not differ, f"greedy tokens differ from one device on {layout} for {differ}"
-    differ = [n for n in one["kept"] if mesh["kept"][n] != one["kept"][n]]
+    differ = [n for n in mesh["kept"] if mesh["kept"][n] != one["kept"][n]]
     assert not differ, f"kept/full entries differ from one device on {layout} for {differ}"
     assert mesh["padded_rows"] % layout[0] == 0  # 3 prompts: padded to whole rows per data shard
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_continuous_batching_gives_one_devices_static_tokens(sharded: dict, layout: tuple[int, int]):
-    static = sharded["None"]["tokens"]["snapkv"]
+    static = sharded["None"]["tokens"][CONTINUOUS]
     expected = [static[i % 3][:limit] for i, limit in enumerate(CONTINUOUS_LIMITS)]
     assert sharded["None"]["continuous"] == expected
     assert sharded[str(layout)]["continuous"] == expected
@@ -190,10 +201,13 @@ def test_every_parameter_lies_as_the_table_says(sharded: dict, layout: tuple[int
 def test_a_layout_compiles_the_steps_one_device_compiles_once_and_a_rerun_nothing(sharded: dict):
     """Per layout: one prefill (every method shares it), one decode step per method, one sampler; a rerun of the same
     shapes (and every decode step after the first, the caches donated in the layout they came out in) compiles none."""
-    for layout, result in sharded.items():
-        print(layout, "backend compiles (first run, rerun):", result["compiles"], "steps:", result["step_executables"])
-        assert result["step_executables"] == {"_prefill": 1, "_decode": len(NAMES), "_sample_masked": 1}, layout
-        assert result["compiles"][1] == 0, layout
+    layouts = {str(layout): layout for layout in (None, *LAYOUTS)}
+    assert sorted(sharded) == sorted(layouts)
+    for key, result in sharded.items():
+        print(key, "backend compiles (first run, rerun):", result["compiles"], "steps:", result["step_executables"])
+        decodes = len(layout_names(layouts[key]))
+        assert result["step_executables"] == {"_prefill": 1, "_decode": decodes, "_sample_masked": 1}, key
+        assert result["compiles"][1] == 0, key
 
 
 # ---- the table and the layout rules, without devices ----

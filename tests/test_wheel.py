@@ -44,9 +44,9 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path):
     )
     (wheel,) = wheels.glob("pask_jax-*.whl")
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir)  # no pip of its own (ensurepip takes seconds): this environment's pip installs into it
     python = env_dir / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", wheel], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", wheel], check=True)
     # Dependencies come from the test environment's site-packages, appended after the new venv's own (a .pth line
     # only extends sys.path: the checkout's editable-install hook there is not run).
     site = subprocess.run(

@@ -1,0 +1,116 @@
+"""Plain helpers the test modules share (fixtures live in conftest.py): tiny random models, synthetic calibration
+statistics, and the method matrix of tests/test_methods.py (its prompts, cases and memoized engines), which
+tests/test_sharding.py runs on device meshes."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import numpy as np
+from flax import nnx
+
+from pask_jax.calibration.compiler import compile_policy
+from pask_jax.engine import Engine, Generation, SamplingConfig
+from pask_jax.methods import METHODS, DapQ, KVMethod, PaskKV, PyramidKV, SnapKV
+from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
+
+QWEN_VOCAB = 151_936  # the Qwen2.5 checkpoints' embedding rows (the tokenizer's ids fit below it)
+SYNTHETIC_LEVELS = (0.0, 0.25, 0.5, 0.75)
+
+
+def tiny_model(architecture: str = "qwen3", seed: int = 0, **overrides) -> Qwen3:
+    """A random few-kB model of one of the three families (`ModelConfig.tiny` plus overrides)."""
+    return Qwen3(ModelConfig.tiny(architecture, **overrides), rngs=nnx.Rngs(seed))
+
+
+def synthetic_stats(num_layers: int = 4, groups: int = 2) -> types.SimpleNamespace:
+    """Calibration statistics by hand: USER_TEXT is fragile (any removal below 75% breaks the call), DESCRIPTION is
+    harmless and cheap to drop, TOOL_NAME breaks only when all of it goes and distorts the most."""
+    r = num_roles()
+    entries = np.zeros((r, groups))
+    entries[[Role.TEMPLATE, Role.TOOL_NAME, Role.DESCRIPTION, Role.USER_TEXT, Role.SCHEMA_PUNCT]] = [
+        [20] * groups,
+        [5] * groups,
+        [60] * groups,
+        [15] * groups,
+        [40] * groups,
+    ]
+    task_error = np.zeros((r, groups, len(SYNTHETIC_LEVELS)))
+    task_error[Role.USER_TEXT] = [[0.5, 0.4, 0.2, 0.0]] * groups
+    task_error[Role.TOOL_NAME] = [[0.3, 0.0, 0.0, 0.0]] * groups
+    distortion = np.full((r, groups), 0.01)
+    distortion[Role.TOOL_NAME] = 0.5
+    distortion[Role.DESCRIPTION] = 0.001
+    return types.SimpleNamespace(
+        entries=entries,
+        task_error=task_error,
+        distortion_per_entry=distortion,
+        levels=SYNTHETIC_LEVELS,
+        model="tiny-qwen3",
+        num_layers=num_layers,
+        groups=groups,
+        taxonomy=TAXONOMY_VERSION,
+        item_ids=["simple_python_3", "multiple_7"],
+    )
+
+
+# ---- the method matrix ----------------------------------------------------------------------------------------------
+
+PROMPTS = [list(range(3, 40)), [7, 7, 120, 5, 9, 11, 13, 2, 2, 8, 100, 101], list(range(50, 75))]
+NEW = 20
+BUCKETS = (16, 64)
+ROLES = [[Role.SINK] + [Role.DESCRIPTION if i % 3 else Role.USER_TEXT for i in range(1, len(p))] for p in PROMPTS]
+BUDGET = 0.4  # every compressed invariant runs at this budget: one compiled plan per case besides budget 1
+BUDGETS = (0.3, 0.4, 0.5, 1.0)  # the synthetic policy's tables (tests/test_sharding.py runs PASK at 0.33)
+SYNTHETIC_POLICY = compile_policy(synthetic_stats(num_layers=4, groups=2), list(BUDGETS))
+
+# A case is a method instance built for the budget it runs at (PASK's policy tables are per budget), so variants of
+# one method (a small SnapKV window, DapQ's content choices, PASK with a synthetic policy or DapQ ranking) are cases.
+CASES: dict[str, Callable[[float], KVMethod]] = {
+    **{name: (lambda budget, cls=cls: cls()) for name, cls in METHODS.items()},
+    "snapkv_window8_avg": lambda budget: SnapKV(window=8, pooling="avg"),
+    "pyramidkv_window4": lambda budget: PyramidKV(window=4),
+    "pyramidkv_window_inside": lambda budget: PyramidKV(window=4, allotment="pyramid"),
+    "dapq_last": lambda budget: DapQ(content="last", num_pseudo=8),
+    "dapq_random": lambda budget: DapQ(content="random", num_pseudo=8),
+    "dapq_max_pooled": lambda budget: DapQ(num_pseudo=8, pooling="max"),
+    "pask_policy": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget),
+    "pask_policy_dapq_rank": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget, rank="dapq"),
+    "pask_policy_v1": lambda budget: PaskKV.from_policy(
+        SYNTHETIC_POLICY, budget, rank="recency", system_as_request=False
+    ),
+}
+
+
+def matrix_model() -> Qwen3:
+    """The matrix's model: 4 layers in 2 groups of 2, so a group holds layers of different fractions."""
+    return Qwen3(ModelConfig.tiny("qwen3", num_layers=4, vocab_size=256), rngs=nnx.Rngs(5))
+
+
+def make(model: Qwen3, case: str, budget: float) -> Engine:
+    return Engine(model, method=CASES[case](budget), budget=budget, num_groups=2, length_buckets=BUCKETS)
+
+
+class Matrix:
+    """One engine per (case, budget) over one model, and its static generation of PROMPTS (NEW tokens, ROLES), each
+    made once: tests of one module share them, and so their compiled steps. Generations are not to be mutated."""
+
+    def __init__(self, model: Qwen3):
+        self.model = model
+        self._engines: dict[tuple[str, float], Engine] = {}
+        self._static: dict[tuple[str, float], list[Generation]] = {}
+
+    def engine(self, case: str, budget: float) -> Engine:
+        key = (case, budget)
+        if key not in self._engines:
+            self._engines[key] = make(self.model, case, budget)
+        return self._engines[key]
+
+    def static(self, case: str, budget: float) -> list[Generation]:
+        key = (case, budget)
+        if key not in self._static:
+            engine = self.engine(case, budget)
+            self._static[key] = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
+        return self._static[key]
