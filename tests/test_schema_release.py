@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import tiny_model
 
 from pask_jax.engine import Engine, mask_words
 from pask_jax.methods import PaskKV
@@ -18,7 +19,6 @@ from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.requests import RequestBuilder, parse_request
 from pask_jax.structure import GrammarConstraint, Role
 from pask_jax.structure.roles import NO_TOOL
-from tests.conftest import tiny_model
 
 DATA = Path(__file__).parent / "data"
 WEATHER = {
