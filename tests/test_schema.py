@@ -9,16 +9,24 @@ grammar narrows the schema). One end-to-end test compiles a user tool over the f
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
+import random
 import re
+from decimal import Decimal
 
 import jsonschema
+import numpy as np
 import pytest
+from outlines_core import Index, Vocabulary
 from test_grammar import small_grammar
 
 from pask_jax.experiments.bfcl.dialect import bfcl_function
 from pask_jax.structure import GrammarError, call_schema, compile_grammar, parse_tools, tool_call_regex
 from pask_jax.structure import schema as S
+from pask_jax.structure.constraint import GrammarConstraint
+from pask_jax.structure.regex import json_regex
 from pask_jax.structure.roles import Role
 from pask_jax.structure.vocabulary import grammar_vocabulary
 
@@ -187,7 +195,7 @@ def enforced(schema: dict) -> dict:
 def test_enforced_schema_rewrites():
     assert enforced({"type": ["string", "null"]}) == {"anyOf": [{"type": "string"}, {"type": "null"}]}
     assert enforced({"description": "anything", "title": "T"}) == S.ANY_VALUE
-    assert enforced({"type": "integer", "minimum": 1, "examples": [2]}) == {"type": "integer"}  # loosened
+    assert enforced({"type": "integer", "multipleOf": 2, "examples": [2]}) == {"type": "integer"}  # loosened
     assert enforced({"properties": {}}) == S._CLOSED_EMPTY  # the type is inferred from the keyword
     assert enforced({"type": "object", "additionalProperties": False}) == S._CLOSED_EMPTY
     assert enforced({"type": "object", "additionalProperties": {"type": "integer"}}) == {
@@ -278,7 +286,9 @@ def test_keyword_table_is_complete():
     assert statuses == {S.ENFORCED, S.LOOSENED, S.REFUSED}
     for keyword in ("type", "enum", "const", "anyOf", "$ref", "$defs", "definitions", "required", "minItems"):
         assert S.SCHEMA_KEYWORDS[keyword][0] == S.ENFORCED, keyword
-    for keyword in ("description", "title", "default", "examples", "minimum", "maximum", "oneOf", "uniqueItems"):
+    for keyword in S.NUMERIC_BOUNDS:
+        assert S.SCHEMA_KEYWORDS[keyword][0] == S.ENFORCED, keyword
+    for keyword in ("description", "title", "default", "examples", "multipleOf", "oneOf", "uniqueItems"):
         assert S.SCHEMA_KEYWORDS[keyword][0] == S.LOOSENED, keyword
     for keyword in ("not", "if", "prefixItems", "patternProperties", "minProperties"):
         assert S.SCHEMA_KEYWORDS[keyword][0] == S.REFUSED, keyword
@@ -411,12 +421,178 @@ def test_recursive_ref_format_and_pattern(tok, gv):
 
 def test_loosened_keywords_are_not_enforced(tok, gv):
     """A loosened keyword is documented as not enforced: the grammar accepts a value the schema refuses."""
-    parameters = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "description": "count"}}}
+    parameters = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2, "description": "count"}}}
     (function,) = parse_tools([tool("f", parameters)])
-    ids = call_ids(tok, "f", {"n": 0})
+    ids = call_ids(tok, "f", {"n": 3})
     assert small_grammar(tool_call_regex([function], parallel=False, vocab=gv), gv, ids).accepts(ids)
-    assert not jsonschema.Draft202012Validator(parameters).is_valid({"n": 0})
-    assert S.SCHEMA_KEYWORDS["minimum"][0] == S.LOOSENED
+    assert not jsonschema.Draft202012Validator(parameters).is_valid({"n": 3})
+    assert S.SCHEMA_KEYWORDS["multipleOf"][0] == S.LOOSENED
+
+
+def test_numeric_bounds_in_a_tool_call(tok, gv):
+    parameters = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 1, "maximum": 12},
+            "x": {"type": "number", "exclusiveMinimum": 0, "maximum": 1.5},
+            "t": {"anyOf": [{"type": "integer"}, {"type": "null"}], "exclusiveMaximum": -3},
+        },
+    }
+    check_calls(
+        tok,
+        gv,
+        parameters,
+        good=[{"n": 1, "x": 1.5, "t": -4}, {"n": 12, "x": 0.001, "t": None}, {"x": 1.49999, "t": -300}],
+        bad={
+            "integer below minimum": {"n": 0},
+            "integer above maximum": {"n": 13},
+            "negative integer": {"n": -1},
+            "number at an exclusive minimum": {"x": 0},
+            "number just above maximum": {"x": 1.5001},
+            "integer at an exclusive maximum, through anyOf": {"t": -3},
+        },
+        narrowed={"a bounded number with an exponent": {"x": 1e-07}},  # json.dumps writes 1e-07
+    )
+
+
+# ---- numeric bounds against jsonschema ---------------------------------------------------------------------------
+
+_BYTES = Vocabulary(256, {bytes([i]): [i] for i in range(256)})
+_JSON_INTEGER = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+
+
+def byte_grammar(schema: dict):
+    """The ``response_format`` grammar of ``schema`` over the 256 single bytes -> accepts(text) (a whole output)."""
+    index = Index(json_regex(S.enforced_schema(schema, "response_format")), _BYTES)
+    final = set(index.get_final_states())
+
+    def accepts(text: str) -> bool:
+        state = index.get_initial_state()
+        for byte in text.encode() + b"\x04":
+            state = index.get_next_state(state, byte)
+            if state is None:
+                return False
+        return state in final
+
+    return accepts
+
+
+def check_bounds_exactly(schema: dict, texts: list[str]) -> None:
+    """Each number text is accepted iff jsonschema finds it valid, read exactly (Decimal for both the schema's and
+    the instance's decimals); the grammar's narrowings (no exponent when bounded, integers without a fraction) are
+    the only exceptions and are checked as such."""
+    exact = json.loads(json.dumps(schema), parse_float=Decimal)
+    validator = jsonschema.Draft202012Validator(exact)
+    shape = _JSON_INTEGER if schema.get("type") == "integer" else _JSON_NUMBER
+    try:
+        accepts = byte_grammar(schema)
+    except GrammarError as exc:  # refused only when the bounds leave no value at all
+        assert "no value satisfies" in str(exc), schema
+        valid = [t for t in texts if shape.fullmatch(t) and validator.is_valid(json.loads(t, parse_float=Decimal))]
+        assert valid == [], (schema, valid[:10])
+        return
+    wrong = []
+    for text in texts:
+        if not shape.fullmatch(text):  # not a JSON number of that type as the grammar writes it: refused
+            expected = False
+        elif re.search("[eE]", text):
+            expected = False  # bounded numbers are written without an exponent
+        else:
+            expected = validator.is_valid(json.loads(text, parse_float=Decimal))
+        if accepts(text) != expected:
+            wrong.append(text)
+    assert wrong == [], (schema, wrong[:10])
+
+
+def number_texts(points: list[Decimal]) -> list[str]:
+    """Number texts around each point: the point and its neighbours in several spellings."""
+    texts = {"-0", "-0.0", "0.000", "00", "01", "-01", "+1", "1.", ".5", "1e2", "1E+2", "-2e-3", "1.5e1", "- 1"}
+    for point in points:
+        for step in (Decimal(0), Decimal(1), Decimal("0.1"), Decimal("0.01"), Decimal("0.001"), Decimal("0.5")):
+            for value in (point - step, point + step):
+                text = format(value, "f")
+                texts |= {text, text + "0", text + "00001"} if "." in text else {text, text + ".0", text + ".5"}
+    return sorted(texts)
+
+
+_GRID = [0, 1, -1, 7, -7, 10, 99, -100, 0.5, -0.5, 2.25, 0.05, 3.0]
+
+
+@pytest.mark.parametrize("kind", ["integer", "number"])
+def test_numeric_bounds_match_jsonschema_on_a_grid(kind):
+    """Every lower / upper / exclusive combination of grid values, and number texts around the bounds."""
+    points = [Decimal(repr(v)) for v in _GRID]
+    texts = number_texts(points) + [str(i) for i in range(-120, 121)]
+    for low, high in itertools.product([None, *_GRID], repeat=2):
+        for low_key, high_key in itertools.product(("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+            schema = {"type": kind}
+            if low is not None:
+                schema[low_key] = low
+            if high is not None:
+                schema[high_key] = high
+            if low is None and high is None or (low is not None and high is not None and low > high):
+                continue
+            check_bounds_exactly(schema, texts)
+
+
+def test_numeric_bounds_match_jsonschema_on_random_bounds():
+    """Seeded random decimal bounds (up to 3 places, both signs), numbers near them and at random."""
+    rng = random.Random(7)
+
+    def decimal() -> Decimal:
+        return Decimal(rng.randint(-5000, 5000)).scaleb(-rng.randint(0, 3))
+
+    for _ in range(60):
+        kind = rng.choice(["integer", "number"])
+        low, high = sorted([decimal(), decimal()])
+        schema: dict = {"type": kind}
+        if rng.random() < 0.8:
+            schema[rng.choice(["minimum", "exclusiveMinimum"])] = float(low) if low % 1 else int(low)
+        if rng.random() < 0.8 or len(schema) == 1:
+            schema[rng.choice(["maximum", "exclusiveMaximum"])] = float(high) if high % 1 else int(high)
+        texts = number_texts([low, high]) + [format(decimal(), "f") for _ in range(100)]
+        check_bounds_exactly(schema, texts)
+
+
+def test_numeric_bounds_with_other_keywords():
+    assert enforced({"type": "integer", "minimum": 2, "maximum": 5}) == {"type": "integer", "minimum": 2, "maximum": 5}
+    assert enforced({"minimum": 0, "exclusiveMinimum": 0, "maximum": 3.5, "type": "number"}) == {
+        "type": "number",
+        "exclusiveMinimum": 0,  # the tighter of the two lower bounds
+        "maximum": 3.5,
+    }
+    assert enforced({"type": "integer", "minimum": 1, "exclusiveMinimum": True}) == {
+        "type": "integer",
+        "exclusiveMinimum": 1,
+    }  # draft 4's boolean form
+    assert enforced({"anyOf": [{"type": "integer"}, {"type": "string"}], "maximum": 9}) == {
+        "anyOf": [{"type": "integer", "maximum": 9}, {"type": "string"}]  # bounds leave other types alone
+    }
+    assert enforced({"enum": [1, 5, "a", 2.5], "maximum": 3}) == {"enum": [1, "a", 2.5]}
+    assert enforced({"$ref": "#/$defs/n", "minimum": 4, "$defs": {"n": {"type": "integer", "minimum": 2}}}) == {
+        "type": "integer",
+        "minimum": 4,
+    }
+    accepts = byte_grammar({"minimum": 3})  # no type: numbers bounded, anything else free
+    assert accepts('"x"') and accepts("[1, 2]") and accepts("3") and not accepts("2.5")
+    with pytest.raises(GrammarError, match="no value satisfies"):
+        enforced({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2})
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": "integer", "minimum": "3"}, "'minimum' must be a number, got '3'"),
+        ({"type": "number", "maximum": None}, "'maximum' must be a number, got None"),
+        ({"type": "number", "minimum": True}, "'minimum' must be a number, got True"),
+        ({"type": "number", "maximum": 1e300}, "'maximum' 1e\\+300 is refused: it has more than 40 digits"),
+        ({"type": "number", "minimum": float("inf")}, "'minimum' inf is refused: it is not a finite number"),
+    ],
+)
+def test_malformed_numeric_bounds_are_refused(schema, message):
+    with pytest.raises(GrammarError, match=rf"^function 'f', schema at '#': {message}"):
+        enforced(schema)
 
 
 def test_user_tool_end_to_end(tok):
@@ -451,3 +627,16 @@ def test_property_names_needing_json_escapes_are_refused():
         with pytest.raises(GrammarError, match="'properties' names .* need JSON escapes"):
             S.enforced_schema(schema, "function 'f'")
     assert S.enforced_schema({"type": "object", "properties": {"café ok": {"type": "string"}}}, "function 'f'")
+
+
+def test_a_json_answer_over_a_tokenizer_without_call_tokens(tok, gv):
+    """``response_format`` needs no <tool_call> token: the constraint is built and masks the walk (SmolLM2's case)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}, "required": ["n"]}
+    ids = tok.encode('{"n": 3}<|im_end|>')
+    plain = dataclasses.replace(gv, call_open_id=None)
+    grammar = small_grammar(json_regex(S.enforced_schema(schema, "response_format"), vocab=plain), plain, ids, "json")
+    constraint = GrammarConstraint([grammar], plain.size)
+    for token in ids:
+        assert constraint.mask()[0].view(np.uint32)[token >> 5] >> (token & 31) & 1, tok.decode([token])
+        constraint.advance(np.array([token]))
+    assert constraint.finished[0]

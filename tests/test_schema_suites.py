@@ -14,20 +14,23 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from pask_jax.experiments.bench.schemas import (
+from pask_jax.experiments.bench.schema_generation import MAX_SCHEMA_CHARS, generation_cases, judge_output
+from pask_jax.experiments.bench.schema_masks import _FACTORIES as mask_engines
+from pask_jax.experiments.bench.schema_masks import TOOL_SUBSETS, _ids, compare, sample_cases, walk
+from pask_jax.experiments.bench.schema_suites import (
     COMPILED,
     CRASHED,
     REFUSED,
     TIMEOUT,
     declaration_order,
-    explain_under,
-    judge_all,
     load_suites,
-    refusal_keyword,
     serializations,
 )
+from pask_jax.experiments.bench.schemas import explain_under, judge_all, refusal_keyword
+from pask_jax.structure.schema import NUMERIC_BOUNDS
 
 SUITES = Path(__file__).parent / "data" / "schema_suites"
 # Per schema: the pinned subset holds one schema whose automaton takes over a minute (Github_easy---o9842: a
@@ -69,13 +72,16 @@ def test_no_enforced_keyword_lets_an_invalid_instance_through(verdicts):
     """Every accepted invalid instance fails a loosened keyword (or one jsonschema cannot check here)."""
     explained = [(v["id"], e) for v in verdicts for e in v.get("under_explained", [])]
     assert [(i, e) for i, e in explained if e["kind"] == "enforced"] == []
-    # the bench does see the loosened numeric bounds: their invalid instances get through
-    assert {"minimum", "maximum"} <= {k for _, e in explained if e["kind"] == "loosened" for k in e["keywords"]}
+    # the bench does see the loosened keywords: their invalid instances get through
+    assert {"uniqueItems"} <= {k for _, e in explained if e["kind"] == "loosened" for k in e["keywords"]}
+    # numeric bounds are enforced exactly: no accepted invalid instance fails one, whatever else it fails
+    assert [(i, e) for i, e in explained if set(e["keywords"]) & set(NUMERIC_BOUNDS)] == []
 
 
-def test_bounds_are_documented_as_loosened():
-    """An accepted out-of-bounds integer is explained by 'minimum', which SCHEMA_KEYWORDS marks loosened."""
-    assert explain_under({"type": "integer", "minimum": 1}, 0) == {"kind": "loosened", "keywords": ["minimum"]}
+def test_explanations_follow_the_keyword_table():
+    """An accepted invalid instance is explained by its failing keywords' status in SCHEMA_KEYWORDS."""
+    assert explain_under({"type": "integer", "minimum": 1}, 0) == {"kind": "enforced", "keywords": ["minimum"]}
+    assert explain_under({"type": "integer", "multipleOf": 2}, 3) == {"kind": "loosened", "keywords": ["multipleOf"]}
     assert explain_under({"type": "string", "maxLength": 1}, "ab") == {"kind": "enforced", "keywords": ["maxLength"]}
     assert explain_under({"type": "string", "format": "email"}, "x")["kind"] == "loosened"
 
@@ -108,3 +114,51 @@ def test_instances_are_also_tried_in_declaration_order():
 )  # fmt: skip
 def test_refusal_keyword(message, keyword):
     assert refusal_keyword(message) == keyword
+
+
+# ---- mask time, agreement and generation: the parts that need no peer engine and no model --------------------------
+
+
+def test_the_samples_are_fixed_tool_definition_schemas():
+    cases, _ = load_suites(SUITES)
+    sample = sample_cases(cases, TOOL_SUBSETS, 40)
+    assert len(sample) == 40 and {c.suite for c in sample} <= set(TOOL_SUBSETS)
+    assert all(any(t["valid"] for t in c.tests) for c in sample)
+    assert [c.id for c in sample] == [c.id for c in sample_cases(list(reversed(cases)), TOOL_SUBSETS, 40)]
+    short = generation_cases(cases, 24)
+    assert len(short) == 24 and all(len(json.dumps(c.schema)) <= MAX_SCHEMA_CHARS for c in short)
+
+
+def test_mask_comparison_counts_tokens():
+    a = np.zeros(4, np.uint32)
+    b = np.zeros(4, np.uint32)
+    a[0], b[0] = 0b1011, 0b0011  # tokens {0, 1, 3} and {0, 1}
+    b[3] = 1 << 31  # token 127
+    assert compare(a, a) == (True, 1.0)
+    assert compare(a, b) == (False, 2 / 4)
+    assert list(_ids(a)) == [0, 1, 3] and list(_ids(b)) == [0, 1, 127]
+
+
+def test_the_pask_walk_over_qwen_masks_each_next_token(qwen_tok):
+    """Our grammar over the real vocabulary: every token of a valid instance is in the mask before it, and an
+    out-of-range integer's digit is not."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2, "maximum": 5}}, "required": ["n"]}
+    end = qwen_tok.special_tokens["<|im_end|>"]
+    ids = [*qwen_tok.encode('{"n": 4}'), end]
+    result = walk(mask_engines["pask"](qwen_tok), schema, ids)
+    masks = np.frombuffer(result["masks"], np.uint32).reshape(len(ids), -1)
+    assert result["status"] == COMPILED and result["refused_at"] is None and len(result["mask_s"]) == len(ids)
+    for position, token in enumerate(ids):
+        assert token in set(_ids(masks[position])), (position, qwen_tok.decode([token]))
+    (six,) = qwen_tok.encode("6")
+    assert six not in set(_ids(masks[ids.index(qwen_tok.encode("4")[0])]))
+    refused = walk(mask_engines["pask"](qwen_tok), schema, [*qwen_tok.encode('{"n": 6}'), end])
+    assert refused["refused_at"] == ids.index(qwen_tok.encode("4")[0])
+
+
+def test_generated_answers_are_judged_by_jsonschema():
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}, "required": ["n"]}
+    assert judge_output(schema, '{"n": 4}') == {"kind": "valid"}
+    assert judge_output(schema, '{"n": 3}') == {"kind": "invalid", "keywords": ["multipleOf"]}
+    assert judge_output(schema, '{"n": ') == {"kind": "unparsable"}
+    assert judge_output(schema, None) == {"kind": "unparsable"}

@@ -25,7 +25,7 @@ request, arguments the tool's schema rejects, or a call the model did not finish
 
 ``split_native_calls`` is the other path: the ``<tool_call>`` blocks of an answer that took the grammar's call branch,
 whose calls the grammar already shaped, so they are kept without checking the schema (the grammar loosens some
-keywords, such as ``minimum``, and such a call is still the model's call).
+keywords, such as ``multipleOf``, and such a call is still the model's call).
 """
 
 from __future__ import annotations

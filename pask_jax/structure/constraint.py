@@ -80,7 +80,11 @@ class GrammarConstraint:
         self.steps = 0
         self._stop_rows = [_bits(g.vocab.stop_ids, self.words) for g in self.grammars]
         # between calls (only where <tool_call> is atomic): another call or the end
-        self._between_rows = [_bits([g.vocab.end_of_turn_id, g.vocab.call_open_id], self.words) for g in self.grammars]
+        # (a tokenizer without <tool_call> special tokens has no call_open_id: its rows never stand between calls)
+        self._between_rows = [
+            _bits([i for i in (g.vocab.end_of_turn_id, g.vocab.call_open_id) if i is not None], self.words)
+            for g in self.grammars
+        ]
 
     @property
     def batch(self) -> int:

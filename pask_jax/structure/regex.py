@@ -39,7 +39,8 @@ from collections.abc import Sequence
 
 from outlines_core.json_schema import build_regex_from_schema
 
-from pask_jax.structure.schema import GrammarError, call_schema
+from pask_jax.structure.numbers import bounded_regex
+from pask_jax.structure.schema import NUMERIC_BOUNDS, GrammarError, call_schema, read_bounds
 from pask_jax.structure.vocabulary import GrammarVocabulary
 
 FRAMINGS = ("tool_call", "json_fence")
@@ -55,7 +56,9 @@ _JSON_ESCAPE = r'\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})'
 
 def schema_regex(schema: dict, whitespace: str, where: str) -> str:
     """outlines-core's regex of an enforced schema (``schema.enforced_schema`` / ``call_schema``), with the
-    ``\\uXXXX`` escape added to its strings; ``where`` names the schema in errors."""
+    ``\\uXXXX`` escape added to its strings and bounded numbers written as exact ranges; ``where`` names the
+    schema in errors."""
+    schema, ranges = _range_placeholders(schema)
     try:
         regex = build_regex_from_schema(json.dumps(schema), whitespace)
     except Exception as exc:  # outlines-core raises ValueError / TypeError / its own errors
@@ -65,7 +68,45 @@ def schema_regex(schema: dict, whitespace: str, where: str) -> str:
         ) from exc
     if _OUTLINES_ESCAPE in regex:
         regex = regex.replace(_OUTLINES_ESCAPE, _JSON_ESCAPE)
+    for marker, pattern in ranges.items():
+        if f'"{marker}"' not in regex:
+            raise GrammarError(f"{where}: outlines-core did not write the placeholder of a bounded number as expected")
+        regex = regex.replace(f'"{marker}"', f"(?:{pattern})")
     return regex
+
+
+def _range_placeholders(schema: dict) -> tuple[dict, dict[str, str]]:
+    """``schema`` with each bounded ``integer`` / ``number`` node replaced by a ``const`` string no other part of
+    the schema holds, and each placeholder's range regex: outlines-core takes no bounds, and a const string is
+    written into its regex as the quoted text, easy to find and replace."""
+    text = json.dumps(schema)
+    nonce = 0
+    while f"pasknumber{nonce}x" in text:
+        nonce += 1
+    ranges: dict[str, str] = {}
+
+    def walk(node: object) -> object:
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") in ("integer", "number") and any(k in node for k in NUMERIC_BOUNDS):
+            low, high = read_bounds(node)
+            pattern = bounded_regex(node["type"] == "integer", low, high)
+            if pattern is None:  # enforced_schema drops empty ranges; a hand-written one is refused here
+                raise GrammarError(f"numeric bounds {low} / {high} leave no {node['type']}")
+            marker = f"pasknumber{nonce}x{len(ranges)}"
+            ranges[marker] = pattern
+            return {"const": marker}
+        out = dict(node)
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                out[key] = walk(node[key])
+        if isinstance(node.get("properties"), dict):
+            out["properties"] = {name: walk(sub) for name, sub in node["properties"].items()}
+        if isinstance(node.get("anyOf"), list):
+            out["anyOf"] = [walk(branch) for branch in node["anyOf"]]
+        return out
+
+    return walk(schema), ranges
 
 
 def _calls_regex(functions: Sequence[dict], whitespace: str) -> str:

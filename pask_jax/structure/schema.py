@@ -8,9 +8,9 @@ outlines-core 0.2.14 compiles faithfully: ``$ref`` inlined, type lists split int
 annotations dropped. That rewritten schema is what the grammar allows, and the compile cache's key.
 
 Which keywords do what is the table ``SCHEMA_KEYWORDS`` (keyword -> (status, note)): ENFORCED keywords are
-compiled into the grammar; LOOSENED ones are dropped (annotations such as ``description``, and constraints
-outlines-core does not enforce, such as ``minimum``: the grammar then allows values the schema refuses, so check
-them after parsing); REFUSED ones, and keywords absent from the table, raise ``GrammarError`` naming the keyword,
+compiled into the grammar; LOOSENED ones are dropped (annotations such as ``description``, and constraints the
+grammar does not enforce, such as ``multipleOf``: the grammar then allows values the schema refuses, so check them
+after parsing); REFUSED ones, and keywords absent from the table, raise ``GrammarError`` naming the keyword,
 where it is and the function. Rules where JSON Schema leaves a choice:
 
 - Keys are written in the order ``properties`` declares them (outlines-core's order); optional ones may be left out.
@@ -28,7 +28,12 @@ where it is and the function. Rules where JSON Schema leaves a choice:
 - A type without a ``type`` keyword is inferred from type-specific keywords (``properties`` -> object, ``items`` ->
   array, ``pattern`` -> string, ...); ``enum`` / ``const`` values of another type than the declared one are dropped.
 - ``$ref``, ``anyOf``, ``oneOf`` and ``allOf`` (of one schema) take no constraining sibling keywords; ``enum`` /
-  ``const`` none but ``type``.
+  ``const`` none but ``type``. Numeric bounds are the exception: they apply to every number the schema allows (the
+  ``integer`` / ``number`` branches, ``enum`` / ``const`` values out of range dropped) and leave other types alone,
+  as JSON Schema says; the enforced schema carries them on its ``integer`` / ``number`` nodes, at most one lower and
+  one upper bound each, and ``regex.schema_regex`` writes them as exact ranges (``numbers.py``; a bounded number has
+  no exponent). A boolean ``exclusiveMinimum`` / ``exclusiveMaximum`` (draft 4) makes ``minimum`` / ``maximum``
+  exclusive.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from pask_jax.structure.numbers import Bound, bounded_regex, check_digits, in_range, to_decimal
+
 
 class GrammarError(ValueError):
     """A tool list, schema or tokenizer cannot be turned into a grammar; the message names the cause and the fix."""
@@ -48,7 +55,7 @@ ENFORCED, LOOSENED, REFUSED = "enforced", "loosened", "refused"
 MAX_REF_DEPTH = 3  # how many times one recursive $ref is unrolled
 ENFORCED_FORMATS = ("date", "date-time", "uuid")
 _ANNOTATION = (LOOSENED, "an annotation: nothing to enforce")
-_NOT_ENFORCED = (LOOSENED, "not enforced by outlines-core 0.2.14: the grammar allows any number; check after parsing")
+_BOUND_NOTE = "exact for any finite decimal bound; a bounded number is written without an exponent"
 SCHEMA_KEYWORDS: dict[str, tuple[str, str]] = {
     "type": (ENFORCED, 'a type name or a list of them ("null" included)'),
     "enum": (ENFORCED, "values of any JSON type; values of another type than a declared 'type' are dropped"),
@@ -78,11 +85,11 @@ SCHEMA_KEYWORDS: dict[str, tuple[str, str]] = {
     "$defs": (ENFORCED, "where $ref looks"),
     "definitions": (ENFORCED, "where $ref looks"),
     "oneOf": (LOOSENED, "compiled as anyOf: a value matching several branches is accepted"),
-    "minimum": _NOT_ENFORCED,
-    "maximum": _NOT_ENFORCED,
-    "exclusiveMinimum": _NOT_ENFORCED,
-    "exclusiveMaximum": _NOT_ENFORCED,
-    "multipleOf": _NOT_ENFORCED,
+    "minimum": (ENFORCED, _BOUND_NOTE),
+    "maximum": (ENFORCED, _BOUND_NOTE),
+    "exclusiveMinimum": (ENFORCED, f"{_BOUND_NOTE}; a boolean (draft 4) makes 'minimum' exclusive"),
+    "exclusiveMaximum": (ENFORCED, f"{_BOUND_NOTE}; a boolean (draft 4) makes 'maximum' exclusive"),
+    "multipleOf": (LOOSENED, "not enforced: the grammar allows any number in range; check after parsing"),
     "uniqueItems": (LOOSENED, "not enforced: repeated items are not prevented"),
     "title": _ANNOTATION,
     "description": _ANNOTATION,
@@ -120,6 +127,7 @@ SCHEMA_KEYWORDS: dict[str, tuple[str, str]] = {
 }
 _DROPPED = frozenset(k for k, (status, _) in SCHEMA_KEYWORDS.items() if status == LOOSENED) - {"oneOf"}
 _COMBINATORS = ("$ref", "anyOf", "oneOf", "allOf")
+NUMERIC_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 _TYPE_KEYWORDS = {  # keywords that apply to one type only: a schema without "type" gets the types they name
     "object": ("properties", "required", "additionalProperties"),
     "array": ("items", "minItems", "maxItems"),
@@ -179,6 +187,10 @@ class _Rewriter:
                 raise self.error(path, f"unknown keyword {key!r}; the supported ones are in schema.SCHEMA_KEYWORDS")
             if status[0] == REFUSED:
                 raise self.error(path, f"keyword {key!r} is refused: {status[1]}")
+        if any(k in schema for k in NUMERIC_BOUNDS):
+            low, high = read_bounds(schema, lambda message: self.error(path, message))
+            unbounded = {k: v for k, v in schema.items() if k not in NUMERIC_BOUNDS}
+            return _bounded(self.node(unbounded, path), low, high)
         kept = [k for k in schema if k not in _DROPPED and k not in ("$defs", "definitions")]
         combinators = [k for k in _COMBINATORS if k in schema]
         if combinators:
@@ -363,6 +375,77 @@ class _Rewriter:
         return value
 
 
+def read_bounds(schema: dict, error: Any = GrammarError) -> tuple[Bound | None, Bound | None]:
+    """The tightest lower and upper bound ``schema``'s numeric keywords set (None: none on that side); ``error``
+    makes the exception for a malformed bound from its message."""
+    lows: list[Bound] = []
+    highs: list[Bound] = []
+    for key in NUMERIC_BOUNDS:
+        if key not in schema:
+            continue
+        value = schema[key]
+        if isinstance(value, bool) and key.startswith("exclusive"):
+            continue  # draft 4: read with its minimum / maximum below
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise error(f"{key!r} must be a number, got {value!r}")
+        number = to_decimal(value)
+        reason = check_digits(number)
+        if reason is not None:
+            raise error(f"{key!r} {value!r} is refused: {reason}")
+        if key == "minimum":
+            lows.append(Bound(number, schema.get("exclusiveMinimum") is True))
+        elif key == "maximum":
+            highs.append(Bound(number, schema.get("exclusiveMaximum") is True))
+        else:
+            (lows if key == "exclusiveMinimum" else highs).append(Bound(number, True))
+    # the tighter bound; at the same value the exclusive one
+    low = max(lows, key=lambda b: (b.value, b.exclusive), default=None)
+    high = min(highs, key=lambda b: (b.value, not b.exclusive), default=None)
+    return low, high
+
+
+def _bound_number(value: Any) -> int | float:
+    """A bound's value as the enforced schema writes it (JSON): an integer when it is one."""
+    return int(value) if value == value.to_integral_value() else float(value)
+
+
+def _bounded(schema: dict | None, low: Bound | None, high: Bound | None) -> dict | None:
+    """An enforced schema with its numbers limited to the bounds: None when no value is left."""
+    if schema is None:
+        return None
+    if list(schema) == ["anyOf"]:
+        branches = [b for b in (_bounded(branch, low, high) for branch in schema["anyOf"]) if b is not None]
+        if not branches:
+            return None
+        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+    keyword = "enum" if "enum" in schema else "const" if "const" in schema else None
+    if keyword is not None:
+        values = schema["enum"] if keyword == "enum" else [schema["const"]]
+        kept = [v for v in values if not _is_number(v) or in_range(v, low, high)]
+        if not kept:
+            return None
+        return {"enum": kept} if keyword == "enum" else {"const": kept[0]}
+    if schema.get("type") not in ("integer", "number"):
+        return schema  # bounds constrain numbers only
+    old_low, old_high = read_bounds(schema)
+    lows = [b for b in (low, old_low) if b is not None]
+    highs = [b for b in (high, old_high) if b is not None]
+    low = max(lows, key=lambda b: (b.value, b.exclusive), default=None)
+    high = min(highs, key=lambda b: (b.value, not b.exclusive), default=None)
+    if bounded_regex(schema["type"] == "integer", low, high) is None:
+        return None
+    out: dict[str, Any] = {"type": schema["type"]}
+    if low is not None:
+        out["exclusiveMinimum" if low.exclusive else "minimum"] = _bound_number(low.value)
+    if high is not None:
+        out["exclusiveMaximum" if high.exclusive else "maximum"] = _bound_number(high.value)
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _has_type(value: Any, kind: str) -> bool:
     """Whether a JSON value (as Python) has JSON Schema type ``kind`` (1.0 is an integer, True is not a number)."""
     if isinstance(value, bool):
@@ -378,7 +461,10 @@ def enforced_schema(schema: Any, where: str) -> dict:
     Raises GrammarError naming the keyword and its place for anything refused, malformed, or unsatisfiable."""
     out = _Rewriter(schema, where).node(schema, "#")
     if out is None:
-        raise GrammarError(f"{where}: no value satisfies the schema within {MAX_REF_DEPTH} levels of $ref recursion")
+        raise GrammarError(
+            f"{where}: no value satisfies the schema within {MAX_REF_DEPTH} levels of $ref recursion (or its "
+            "numeric bounds leave no number, or it is false)"
+        )
     return out
 
 

@@ -2,6 +2,13 @@
 
     pask-jax bench schemas [--suites tests/data/schema_suites] [--engines pask,xgrammar,llguidance]
                            [--timeout 120] [--out results/bench_schemas.json]
+    pask-jax bench schemas --tokenizer qwen2.5-coder-0.5b [--sample 40] [--out results/bench_schemas_masks.json]
+    pask-jax bench schemas --generate smollm2-135m [--sample 24] [--max-tokens 256]
+                           [--out results/bench_schemas_generation.json]
+
+The second form measures per-token mask time and token-set agreement over a real tokenizer (``schema_masks``), the
+third greedy constrained generation with a small model (``schema_generation``); both on a sample of MaskBench's
+tool-definition schemas. What follows is the first form, coverage.
 
 The suites are the pinned subsets ``scripts/build_schema_suites.py`` writes (JSON-Schema-Test-Suite draft2020-12,
 JSON-Schema-Bench MaskBench): real schemas, each with instances labelled valid or invalid. For every schema and
@@ -29,7 +36,7 @@ object's keys reordered into declaration order (the keys of ``properties``, foll
 and key order never changes validity. An instance counts as accepted when either text is.
 
 For ``pask`` each accepted invalid instance is explained by ``jsonschema`` (its failing keywords): **loosened**
-when one of them is a keyword ``SCHEMA_KEYWORDS`` documents as loosened (``minimum``, ``uniqueItems``, ``oneOf``,
+when one of them is a keyword ``SCHEMA_KEYWORDS`` documents as loosened (``multipleOf``, ``uniqueItems``, ``oneOf``,
 a format other than ``ENFORCED_FORMATS``, ...), **enforced** otherwise (a keyword the table says the grammar
 enforces let a wrong value through: a defect), **unexplained** when jsonschema finds the instance valid. Each
 engine runs in its own worker process (a timeout or a crash there does not end the run); `--timeout` is per schema.
@@ -38,9 +45,7 @@ engine runs in its own worker process (a timeout or a crash there does not end t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import multiprocessing
 import os
 import platform
 import re
@@ -48,14 +53,26 @@ import statistics
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import jsonschema
-import referencing.exceptions
-
+from pask_jax.experiments.bench.schema_generation import generation_cases, run_generation
+from pask_jax.experiments.bench.schema_masks import MASK_ENGINES, TOOL_SUBSETS, run_masks, sample_cases
+from pask_jax.experiments.bench.schema_suites import (
+    COMPILED,
+    CRASHED,
+    REFUSED,
+    TIMEOUT,
+    Case,
+    Refused,
+    Worker,
+    answer_tasks,
+    failing_keywords,
+    load_suites,
+    serializations,
+)
 from pask_jax.structure.regex import json_regex
 from pask_jax.structure.schema import ENFORCED_FORMATS, LOOSENED, SCHEMA_KEYWORDS, GrammarError, enforced_schema
 
@@ -64,87 +81,10 @@ PACKAGES = {"pask": "outlines-core", "xgrammar": "xgrammar", "llguidance": "llgu
 DEFAULT_SUITES = Path("tests/data/schema_suites")
 BYTE_EOS = 256  # the end-of-text token after the 256 single-byte tokens
 END_OF_TURN = b"\x04"  # the marker byte our regexes end with (vocabulary.END_OF_TURN)
-COMPILED, REFUSED, CRASHED, TIMEOUT = "compiled", "refused", "crashed", "timeout"
-
-
-@dataclasses.dataclass
-class Case:
-    """One schema of a suite and its labelled instances (``{"data", "valid", "description"}``)."""
-
-    suite: str
-    id: str
-    schema: Any
-    tests: list[dict]
-
-
-def load_suites(directory: Path) -> tuple[list[Case], list[dict]]:
-    """The pinned suite files in ``directory`` -> (every case, each file's provenance: source, commit, selection)."""
-    cases, sources = [], []
-    for path in sorted(directory.glob("*.json")):
-        data = json.loads(path.read_text())
-        sources.append({"file": path.name, **{k: data[k] for k in ("source", "commit", "path", "selection")}})
-        for suite, items in data["suites"].items():
-            cases.extend(Case(suite, item["id"], item["schema"], item["tests"]) for item in items)
-    return cases, sources
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Instances -> the texts every engine is asked to accept
-
-
-def _branches(schema: Any, root: Any, depth: int = 0) -> Iterator[dict]:
-    """``schema`` and, through local ``$ref`` and the combinators, every schema whose ``properties`` apply."""
-    if not isinstance(schema, dict) or depth > 8:
-        return
-    yield schema
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        target = root
-        for part in filter(None, ref[1:].split("/")):
-            part = part.replace("~1", "/").replace("~0", "~")
-            target = target.get(part) if isinstance(target, dict) else None
-        yield from _branches(target, root, depth + 1)
-    for keyword in ("allOf", "anyOf", "oneOf"):
-        for branch in schema.get(keyword) or []:
-            yield from _branches(branch, root, depth + 1)
-
-
-def declaration_order(data: Any, schemas: list[Any], root: Any) -> Any:
-    """``data`` with each object's keys in declaration order (declared keys first), as far as the schema says."""
-    flat = [s for schema in schemas for s in _branches(schema, root)]
-    if isinstance(data, dict):
-        objects = [s for s in flat if isinstance(s.get("properties"), dict)]
-        # a branch declaring every key first (anyOf branches differ in order), then the keys the others declare
-        objects.sort(key=lambda s: not set(data) <= set(s["properties"]))
-        declared = [name for s in objects for name in s["properties"]]
-        order = [*dict.fromkeys(k for k in declared if k in data), *(k for k in data if k not in declared)]
-        values = {key: [s["properties"][key] for s in flat if key in (s.get("properties") or {})] for key in order}
-        return {key: declaration_order(data[key], values[key], root) for key in order}
-    if isinstance(data, list):
-        items = [s["items"] for s in flat if isinstance(s.get("items"), dict)]
-        return [declaration_order(item, items, root) for item in data]
-    return data
-
-
-def serializations(data: Any, schema: Any) -> list[bytes]:
-    """The texts an instance is tried as: as given, then in declaration order when that differs."""
-    texts = [
-        json.dumps(data, ensure_ascii=False),
-        json.dumps(declaration_order(data, [schema], schema), ensure_ascii=False),
-    ]
-    return [text.encode() for text in dict.fromkeys(texts)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Engines: compile(schema) -> accepts(text) or raise Refused; run in a worker process
-
-
-class Refused(Exception):
-    """The engine declines the schema; ``keyword`` groups the refusals."""
-
-    def __init__(self, keyword: str, message: str):
-        super().__init__(message)
-        self.keyword = keyword
 
 
 _REFUSAL_RULES = (  # (pattern over our GrammarError message, label); the first match names the refusal
@@ -277,75 +217,11 @@ def judge(compile_schema: Callable[[Any], Callable[[bytes], bool]], schema: Any,
 def _serve(engine: str, conn) -> None:
     """Worker process: (schema, texts) in, judge()'s dict out; any other exception is a crash, reported."""
     compile_schema = _FACTORIES[engine]()
-    conn.send("ready")
-    while True:
-        task = conn.recv()
-        if task is None:
-            return
-        try:
-            result = judge(compile_schema, *task)
-        except Exception as exc:
-            result = {"status": CRASHED, "message": f"{type(exc).__name__}: {exc}"[:300]}
-        conn.send(result)
-
-
-class Worker:
-    """One engine in a spawned process, restarted after a timeout or a death."""
-
-    def __init__(self, engine: str):
-        self.engine, self.process, self.conn = engine, None, None
-
-    def start(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(self.engine, child), daemon=True)
-        self.process.start()
-        if self.conn.recv() != "ready":
-            raise RuntimeError(f"{self.engine}: the worker did not start")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.join()
-            self.process = None
-
-    def judge(self, schema: Any, texts: list[list[bytes]], timeout: float) -> dict:
-        if self.process is None:
-            self.start()
-        try:
-            self.conn.send((schema, texts))
-            if self.conn.poll(timeout):
-                return self.conn.recv()
-            self.stop()
-            return {"status": TIMEOUT, "message": f"no answer within {timeout:g} s"}
-        except (EOFError, BrokenPipeError, ConnectionResetError):
-            code = self.process.exitcode if self.process else None
-            self.stop()
-            return {"status": CRASHED, "message": f"the worker process died (exit code {code})"}
+    answer_tasks(conn, lambda *task: judge(compile_schema, *task))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Explaining pask's under-constraints
-
-
-def failing_keywords(schema: Any, data: Any) -> list[str]:
-    """The keywords jsonschema says ``data`` fails (leaves of anyOf / oneOf errors; ``format:NAME`` for formats)."""
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
-    found: list[str] = []
-
-    def walk(errors) -> None:
-        for error in errors:
-            if error.context:
-                walk(error.context)
-            keyword = str(error.validator)
-            found.append(f"format:{error.validator_value}" if keyword == "format" else keyword)
-
-    try:
-        walk(validator.iter_errors(data))
-    except (jsonschema.exceptions.SchemaError, referencing.exceptions.Unresolvable):
-        return ["(schema not checkable)"]
-    return list(dict.fromkeys(found))
 
 
 def loosened(keyword: str) -> bool:
@@ -371,10 +247,10 @@ def judge_all(cases: list[Case], engines: tuple[str, ...], timeout: float, progr
     texts = [[serializations(t["data"], case.schema) for t in case.tests] for case in cases]
     rows = [{"suite": c.suite, "id": c.id, "tests": len(c.tests), "engines": {}} for c in cases]
     for engine in engines:
-        worker = Worker(engine)
+        worker = Worker(engine, _serve)
         try:
             for i, (case, row) in enumerate(zip(cases, rows, strict=True)):
-                row["engines"][engine] = verdict(case, worker.judge(case.schema, texts[i], timeout), engine)
+                row["engines"][engine] = verdict(case, worker.ask((case.schema, texts[i]), timeout), engine)
                 if progress and (i + 1) % 50 == 0:
                     print(f"{engine}: {i + 1}/{len(cases)}", flush=True)
         finally:
@@ -442,6 +318,76 @@ def _commit() -> str:
     return run.stdout.strip()
 
 
+def _machine() -> dict:
+    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
+
+
+def _write(result: dict, out: Path | None) -> None:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def run_mask_mode(args: argparse.Namespace) -> dict:
+    cases, sources = load_suites(args.suites)
+    sample = sample_cases(cases, TOOL_SUBSETS, args.sample or 40)
+    start = time.perf_counter()
+    measured = run_masks(sample, args.tokenizer, args.engines, args.timeout)
+    result = {
+        "benchmark": "schemas-masks",
+        "tokenizer": args.tokenizer,
+        "engines": {e: f"{PACKAGES[e]} {version(PACKAGES[e])}" for e in args.engines},
+        "sources": sources,
+        "sample": {"subsets": list(TOOL_SUBSETS), "size": len(sample), "order": "sha256 of suite/id"},
+        "method": {
+            "instance": "the first valid instance, keys in declaration order, tokenized, then <|im_end|>",
+            "pask": "compile_json_grammar + GrammarConstraint.mask / advance (one row)",
+            "xgrammar": "compile_json_schema(any_whitespace=True, max_whitespace_cnt=1); fill_next_token_bitmask",
+            "llguidance": "grammar_from_json_schema(whitespace_pattern '[ ]?'); numpy fill_next_token_bitmask",
+            "agreement": "at each position all engines reached: equal allowed sets, Jaccard of the sets",
+            "timeout_s": args.timeout,
+        },
+        "machine": _machine(),
+        "commit": _commit(),
+        "wall_s": round(time.perf_counter() - start, 1),
+        **measured,
+    }
+    print(format_mask_table(result))
+    _write(result, args.out)
+    return result
+
+
+def format_mask_table(result: dict) -> str:
+    lines = [f"{'engine':<12}{'states':>8}{'mask us median':>16}{'p90':>10}{'compile s median':>18}"]
+    for engine, t in result["mask_time"].items():
+        c = result["compile_s"][engine]
+        median = f"{c['median_us'] / 1e6:.3f}" if c["n"] else "-"
+        lines.append(f"{engine:<12}{t['n']:>8}{t.get('median_us', 0):>16.1f}{t.get('p90_us', 0):>10.1f}{median:>18}")
+    for pair, a in result["agreement"].items():
+        lines.append(f"{pair}: {a['equal']}/{a['states']} states equal, mean Jaccard {a['jaccard_mean']}")
+    return "\n".join(lines)
+
+
+def run_generation_mode(args: argparse.Namespace) -> dict:
+    cases, sources = load_suites(args.suites)
+    sample = generation_cases(cases, args.sample or 24)
+    start = time.perf_counter()
+    measured = run_generation(sample, args.generate, args.max_tokens)
+    result = {
+        "benchmark": "schemas-generation",
+        "engine": f"pask (outlines-core {version('outlines-core')})",
+        "sources": sources,
+        "sample": {"subsets": list(TOOL_SUBSETS), "size": len(sample), "order": "sha256 of suite/id"},
+        "machine": _machine(),
+        "commit": _commit(),
+        "wall_s": round(time.perf_counter() - start, 1),
+        **measured,
+    }
+    print(json.dumps(result["summary"]))
+    _write(result, args.out)
+    return result
+
+
 def run(args: argparse.Namespace) -> dict:
     cases, sources = load_suites(args.suites)
     start = time.perf_counter()
@@ -459,16 +405,14 @@ def run(args: argparse.Namespace) -> dict:
             "order when that differs; accepted if either is accepted as a complete output",
             "timeout_s": args.timeout,
         },
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "machine": _machine(),
         "commit": _commit(),
         "wall_s": round(time.perf_counter() - start, 1),
         "summary": summarize(rows, args.engines),
         "cases": rows,
     }
     print(format_table(result["summary"], args.engines))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    _write(result, args.out)
     return result
 
 
@@ -493,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per schema and engine")
     p.add_argument("--out", type=Path, help="results JSON")
+    p.add_argument("--tokenizer", help="mask mode: a checkpoint whose tokenizer the engines compile over")
+    p.add_argument("--generate", metavar="MODEL", help="generation mode: greedy constrained outputs of this model")
+    p.add_argument("--sample", type=int, help="mask / generation mode: how many schemas (default 40 / 24)")
+    p.add_argument("--max-tokens", type=int, default=256, help="generation mode: tokens per answer")
     return p
 
 
@@ -503,6 +451,14 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown:
         parser.error(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
+    if args.tokenizer and args.generate:
+        parser.error("--tokenizer (mask mode) and --generate (generation mode) are separate runs: choose one")
+    if args.sample is not None and args.sample < 1:
+        parser.error(f"--sample {args.sample}: must be at least 1")
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens {args.max_tokens}: must be at least 1")
+    if args.tokenizer and set(args.engines) != set(MASK_ENGINES):
+        parser.error("mask mode compares all three engines: leave --engines at its default")
     if not args.suites.is_dir() or not any(args.suites.glob("*.json")):
         parser.error(f"--suites {args.suites}: no suite files (scripts/build_schema_suites.py writes them)")
     for engine in args.engines:
@@ -510,4 +466,8 @@ def main(argv: list[str] | None = None) -> dict:
             version(PACKAGES[engine])
         except PackageNotFoundError:
             parser.error(f"engine {engine}: {PACKAGES[engine]} is not installed (pip install 'pask-jax[bench]')")
+    if args.tokenizer:
+        return run_mask_mode(args)
+    if args.generate:
+        return run_generation_mode(args)
     return run(args)
