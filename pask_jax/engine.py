@@ -340,7 +340,6 @@ def prefill_plans(
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         valid = positions < lengths[:, None]
-        mask = (positions[:, :, None] >= positions[:, None, :]) & valid[:, None, :]
         kv: list[tuple[jax.Array, jax.Array]] = []
         observed: list[list] = [[] for _ in plans]
 
@@ -373,7 +372,7 @@ def prefill_plans(
             kv.append((k, v))
             for plan, seen in zip(plans, observed, strict=True):
                 seen.append(plan.method.prefill_observe(layer, q, k, ctx))
-            return attention(q, k, v, mask, causal=True)
+            return attention(q, k, v, causal=True, key_valid=valid)  # its mask built per block
 
         hidden = model.forward(tokens, positions, attend)
         last = hidden[jnp.arange(b), lengths - 1][:, None]  # only the last prompt token needs logits

@@ -15,6 +15,7 @@ import pytest
 import pask_jax.experiments.bench
 from pask_jax.engine import new_token_bucket, padded_batch
 from pask_jax.experiments.bench import decode, machine, serving, workloads
+from pask_jax.memory import rows_fitting
 from pask_jax.structure.roles import Role
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,7 +101,7 @@ def test_cache_bytes_match_a_hand_count(tiny_setup):
 
 def test_largest_batch_is_the_largest_fitting_power_of_two():
     assert serving.largest_batch(lambda b: 100 * b + 1, 750) == 4  # 8 rows would take 801 bytes
-    assert serving.unpadded_fit(lambda b: 100 * b + 1, 750) == 7
+    assert rows_fitting(lambda b: 100 * b + 1, 750) == 7
     assert serving.largest_batch(lambda b: 100 * b + 1, 801) == 8
     assert serving.largest_batch(lambda b: 100 * b + 1, 50) == 0
     assert serving.largest_batch(lambda b: 100 * b + 1, 10**9, ceiling=16) == 16
@@ -392,7 +393,8 @@ def test_entrypoints_bench_runs_both_paths_on_the_same_items(tiny_qwen_vocab, qw
 
 def test_compile_bench_times_each_step_and_warm_compiles_load_from_the_cache(tmp_path):
     """In its own process (the persistent XLA cache is process-wide state): every step is timed, and the warm pass
-    takes both executables of every (method, length) from the fresh cache the cold pass filled."""
+    takes both executables of every (method, length) from the fresh cache the cold pass filled; XLA's memory analysis
+    of each executable is recorded."""
     import subprocess
     import sys
 
@@ -410,4 +412,7 @@ def test_compile_bench_times_each_step_and_warm_compiles_load_from_the_cache(tmp
         assert row["cold"]["shape"]["prompt_bucket"] == row["prompt_tokens"]
         for step in ("prefill", "decode"):
             assert row["cold"][step]["compile_s"] > 0 and row["warm"][step]["lower_s"] >= 0
+            assert row["cold"][step]["argument_mib"] > 0 and row["cold"][step]["temp_mib"] >= 0
+    full, h2o = (r["cold"]["prefill"] for r in result["steps"][2:])
+    assert full["output_mib"] > h2o["output_mib"]  # full KV's prefill hands over the whole cache
     assert "first_answer" not in result  # the tiny model has no tokenizer

@@ -232,7 +232,7 @@ def test_h2o_accumulates_over_decode_steps():
     np.testing.assert_array_equal(np.asarray(method.new_token_score(0, jnp.array([7, 9]), jnp.zeros(2, int), 2)), 0)
 
 
-@pytest.mark.parametrize("query_chunk", [512, 2])  # one block, or three chunks of queries summed
+@pytest.mark.parametrize("query_chunk", [512, 2, 4])  # one block; three blocks; two blocks over 2 padded positions
 def test_h2o_prefill_is_column_sums_of_causal_attention(monkeypatch, query_chunk):
     monkeypatch.setattr(qwen3, "QUERY_CHUNK", query_chunk)
     q, k = random_qk(t=6, seed=2)

@@ -270,6 +270,13 @@ def test_blocked_attention_equals_reference(monkeypatch, t, s, chunk, causal):
     np.testing.assert_allclose(
         np.asarray(blocked), np.asarray(qwen3.reference_attention(q, k, v, mask)), rtol=1e-5, atol=1e-6
     )
+    if causal:  # the same causal mask over valid keys, built per block from the key validity alone
+        key_valid = kpos[None, :] < lengths[:, None]
+        built = qwen3.attention(q, k, v, causal=True, key_valid=key_valid)
+        reference = qwen3.reference_attention(
+            q, k, v, (qpos[None, :, None] >= kpos[None, None, :]) & key_valid[:, None]
+        )
+        np.testing.assert_allclose(np.asarray(built), np.asarray(reference), rtol=1e-5, atol=1e-6)
     assert not np.asarray(blocked)[1, np.asarray(qpos) >= int(lengths[1])].any()
 
 
@@ -277,8 +284,5 @@ def test_causal_attention_needs_a_square_mask():
     q, k = jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 6, 2, 8))
     with pytest.raises(ValueError, match="as many keys as queries"):
         qwen3.attention(q, k, k, jnp.ones((1, 4, 6), bool), causal=True)
-
-
-def test_query_chunks_split_the_query_axis():
-    q = jnp.zeros((2, 48, 4, 8))
-    assert qwen3.over_query_chunks(lambda x: x.sum(1), q, chunk=16).shape == (3, 2, 4, 8)
+    with pytest.raises(ValueError, match="a mask, or causal=True with key_valid"):
+        qwen3.attention(q, q, q, key_valid=jnp.ones((1, 4), bool))  # built masks are causal only

@@ -82,13 +82,13 @@ def prefill(model: Qwen3, item: ItemArrays) -> tuple[jax.Array, jax.Array, jax.A
     """Full causal forward over the prompt -> K f[L, Pb, K, H], V f[L, Pb, K, H], last-position logits f32[Voc]."""
     pb = item.prompt.shape[0]
     positions = jnp.arange(pb, dtype=jnp.int32)[None]  # i32[1, Pb]
-    mask = (positions[:, :, None] >= positions[:, None, :]) & (positions < item.prompt_len)[:, None, :]
+    valid = positions < item.prompt_len  # bool[1, Pb]
     ks, vs = [], []
 
     def attend(layer, q, k, v):
         ks.append(k[0])
         vs.append(v[0])
-        return attention(q, k, v, mask, causal=True)
+        return attention(q, k, v, causal=True, key_valid=valid)
 
     hidden = model.forward(item.prompt[None], positions, attend)  # f[1, Pb, D]
     return jnp.stack(ks), jnp.stack(vs), model.logits(hidden[:, item.prompt_len - 1][:, None])[0, 0]

@@ -27,17 +27,59 @@ import jax
 import jax.numpy as jnp
 
 from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
-from pask_jax.models.qwen3 import attention_probs, over_query_chunks
+from pask_jax.models import qwen3
 
 
 def accumulated_attention(q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
-    """Column sums of the prompt's causal attention over valid queries and the GQA group -> f32[B, K, T]."""
-    mask = (ctx.positions[:, :, None] >= ctx.positions[:, None, :]) & ctx.valid[:, None, :]  # the engine's mask
+    """Column sums of the prompt's causal attention over valid queries and the GQA group -> f32[B, K, T].
 
-    def received(q: jax.Array, mask: jax.Array, valid: jax.Array) -> jax.Array:  # one query chunk -> f32[B, K, T]
-        return jnp.einsum("BKGTS,BT->BKS", attention_probs(q, k, mask), valid.astype(jnp.float32))
+    q f[B, T, N, H], k f[B, T, K, H] at the prefill's positions 0..T-1. In blocks of `qwen3.QUERY_CHUNK` queries and
+    keys, two passes per query block: the softmax's running max and denominator over the keys it sees, then its
+    normalised weights summed into their key columns. Key blocks after a query block are skipped (causal): about half
+    the logits of the prompt, and never more than one block's [B, K, G, c, c] weights at a time.
+    """
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    c = min(qwen3.QUERY_CHUNK, t)
+    tp = -(-t // c) * c  # padded to whole blocks; padded keys are invisible, padded queries weigh 0
 
-    return over_query_chunks(received, q, mask, ctx.valid).sum(axis=0)
+    def pad(x: jax.Array) -> jax.Array:
+        return jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
+
+    qt = jnp.transpose(pad(q).reshape(b, tp, kv_heads, n // kv_heads, h), (0, 2, 3, 1, 4))  # [B, K, G, Tp, H]
+    kt = jnp.transpose(pad(k), (0, 2, 1, 3))  # [B, K, Tp, H]
+    positions, valid = pad(ctx.positions), pad(ctx.valid)  # i32[B, Tp], bool[B, Tp]
+
+    def block(x: jax.Array, i: jax.Array, axis: int) -> jax.Array:
+        return jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=axis)
+
+    def logits(i: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array]:  # -> f32[B, K, G, c, c], bool[B, c, c]
+        visible = (block(positions, i, 1)[:, :, None] >= block(positions, j, 1)[:, None, :]) & block(valid, j, 1)[
+            :, None, :
+        ]
+        return qwen3.grouped_logits(block(qt, i, 3), block(kt, j, 2)), visible[:, None, None]
+
+    def query_block(i: jax.Array, acc: jax.Array) -> jax.Array:
+        def normaliser(j, carry):  # online max and denominator over key block j
+            row_max, denom = carry
+            x, visible = logits(i, j)
+            new_max = jnp.maximum(row_max, jnp.where(visible, x, -1e30).max(axis=-1))
+            terms = jnp.where(visible, jnp.exp(x - new_max[..., None]), 0.0).sum(axis=-1)
+            return new_max, denom * jnp.exp(row_max - new_max) + terms
+
+        shape = (b, kv_heads, n // kv_heads, c)
+        row_max, denom = jax.lax.fori_loop(0, i + 1, normaliser, (jnp.full(shape, -1e30), jnp.zeros(shape)))
+        weight = block(valid, i, 1)[:, None, None].astype(jnp.float32) / jnp.maximum(denom, 1e-30)  # [B, K, G, c]
+
+        def columns(j, acc):  # key block j's share of query block i's weights, summed over queries and the group
+            x, visible = logits(i, j)
+            probs = jnp.where(visible, jnp.exp(x - row_max[..., None]), 0.0) * weight[..., None]
+            return jax.lax.dynamic_update_slice_in_dim(acc, block(acc, j, 2) + probs.sum(axis=(2, 3)), j * c, axis=2)
+
+        return jax.lax.fori_loop(0, i + 1, columns, acc)
+
+    acc = jax.lax.fori_loop(0, tp // c, query_block, jnp.zeros((b, kv_heads, tp), jnp.float32))
+    return acc[..., :t]
 
 
 def fold_recent_window(acc: jax.Array, lengths: jax.Array, recent_fraction: float) -> jax.Array:

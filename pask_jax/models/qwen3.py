@@ -163,11 +163,11 @@ def attention_probs(
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
     qg = jnp.transpose(q.reshape(b, t, kv_heads, n // kv_heads, h), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
-    logits = _grouped_logits(qg, jnp.transpose(k, (0, 2, 1, 3)))
+    logits = grouped_logits(qg, jnp.transpose(k, (0, 2, 1, 3)))
     return masked_softmax(logits, mask[:, None, None])  # mask as [B, 1, 1, T, S]
 
 
-def _grouped_logits(
+def grouped_logits(
     q: jax.Array,  # f[B, K, G, T, H]
     k: jax.Array,  # f[B, K, S, H]
 ) -> jax.Array:  # f32[B, K, G, T, S]
@@ -181,24 +181,7 @@ def _grouped_logits(
     return logits.reshape(b, kv_heads, g, t, -1) / math.sqrt(h)
 
 
-QUERY_CHUNK = 512  # `attention`'s blocks of queries and keys ([B, N, chunk, chunk] weights at a time) and
-# `over_query_chunks`' query chunks ([B, N, chunk, S])
-
-
-def over_query_chunks(fn: Callable[..., jax.Array], *per_query: jax.Array, chunk: int | None = None) -> jax.Array:
-    """fn applied to consecutive query chunks of arrays whose axis 1 is the query axis -> stacked [n_chunks, ...].
-
-    Runs the chunks one after another (`lax.map`), so a long prompt never materialises all of its T x S attention
-    weights at once. The chunk is the largest divisor of T up to `chunk` (default QUERY_CHUNK; length buckets are
-    multiples of 64).
-    """
-    t = per_query[0].shape[1]
-    size = max(d for d in range(1, min(chunk or QUERY_CHUNK, t) + 1) if t % d == 0)
-
-    def split(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [T / size, B, size, ...]
-        return jnp.moveaxis(x.reshape(x.shape[0], t // size, size, *x.shape[2:]), 1, 0)
-
-    return jax.lax.map(lambda chunks: fn(*chunks), tuple(split(x) for x in per_query))
+QUERY_CHUNK = 512  # `attention`'s blocks of queries and keys ([B, N, chunk, chunk] weights at a time)
 
 
 def reference_attention(
@@ -231,7 +214,7 @@ def _attention_block(
     """One block of queries against one block of keys -> unnormalised output f32[B, K, G, c, H], its softmax
     denominator f32[B, K, G, c], the new running max (FlashAttention's online softmax)."""
     b, kv_heads, g, c, h = q.shape
-    logits = jnp.where(mask[:, None, None], _grouped_logits(q, k), -1e30)
+    logits = jnp.where(mask[:, None, None], grouped_logits(q, k), -1e30)
     new_max = jnp.maximum(row_max, logits.max(axis=-1))
     weights = jnp.where(mask[:, None, None], jnp.exp(logits - new_max[..., None]), 0.0)  # a masked key adds 0
     out = jnp.einsum("BKMS,BKSH->BKMH", weights.reshape(b, kv_heads, g * c, -1).astype(v.dtype), v)
@@ -242,40 +225,54 @@ def attention(
     q: jax.Array,  # f[B, T, N, H]
     k: jax.Array,  # f[B, S, K, H]
     v: jax.Array,  # f[B, S, K, H]
-    mask: jax.Array,  # bool[B, T, S]
+    mask: jax.Array | None = None,  # bool[B, T, S]
     *,
     causal: bool = False,
+    key_valid: jax.Array | None = None,  # bool[B, S], with mask None
 ) -> jax.Array:  # f[B, T, N, H]
     """`reference_attention` in blocks of QUERY_CHUNK queries and keys with an online softmax, so a long prompt never
     materialises its T x S weights (rows with no visible key are zeros, as there).
 
     causal: the caller's mask is causal over a prompt attending to itself (T == S, mask[t, s] False for s > t), so
     the key blocks after each query block are skipped: about half the work of a long prompt.
+    mask None (with causal and `key_valid`): the mask is query t sees key s <= t where key s is valid, built per
+    block, so a long prompt never materialises its T x T mask either (1 GiB at 32k tokens).
     """
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     if causal and s != t:
         raise ValueError(f"causal attention needs as many keys as queries, got {t} queries and {s} keys")
+    if (mask is None) == (key_valid is None) or (mask is None and not causal):
+        raise ValueError("attention takes a mask, or causal=True with key_valid")
     cq, ck = _block_size(t), _block_size(s)
     tp, sp = -(-t // cq) * cq, -(-s // ck) * ck  # padded to whole blocks (the padding is masked out)
     qt = jnp.pad(q.reshape(b, t, kv_heads, n // kv_heads, h), ((0, 0), (0, tp - t), (0, 0), (0, 0), (0, 0)))
     qt = jnp.transpose(qt, (0, 2, 3, 1, 4))  # [B, K, G, Tp, H]
     kt, vt = (jnp.transpose(jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0))), (0, 2, 1, 3)) for x in (k, v))
-    mask = jnp.pad(mask, ((0, 0), (0, tp - t), (0, sp - s)))  # bool[B, Tp, Sp]
+    if mask is not None:
+        mask = jnp.pad(mask, ((0, 0), (0, tp - t), (0, sp - s)))  # bool[B, Tp, Sp]
+    else:
+        key_valid = jnp.pad(key_valid, ((0, 0), (0, sp - s)))  # bool[B, Sp]
+
+    def block_mask(i: jax.Array, j: jax.Array) -> jax.Array:  # query block i x key block j -> bool[B, cq, ck]
+        if mask is not None:
+            rows = jax.lax.dynamic_slice_in_dim(mask, i * cq, cq, axis=1)
+            return jax.lax.dynamic_slice_in_dim(rows, j * ck, ck, axis=2)
+        rows, cols = i * cq + jnp.arange(cq), j * ck + jnp.arange(ck)
+        return (rows[:, None] >= cols[None, :])[None] & jax.lax.dynamic_slice_in_dim(key_valid, j * ck, ck, 1)[:, None]
+
     if tp == cq and sp == ck:  # one block: no loops (short prompts, decode-sized queries)
-        out, denom, _ = _attention_block(qt, kt, vt, mask, jnp.full(qt.shape[:-1], -1e30, jnp.float32))
+        out, denom, _ = _attention_block(qt, kt, vt, block_mask(0, 0), jnp.full(qt.shape[:-1], -1e30, jnp.float32))
         blocks = (out / jnp.maximum(denom, 1e-30)[..., None])[None]  # [1, B, K, G, Tp, H]
     else:
 
         def query_block(i: jax.Array) -> jax.Array:  # -> f32[B, K, G, cq, H]
             q_block = jax.lax.dynamic_slice_in_dim(qt, i * cq, cq, axis=3)
-            mask_rows = jax.lax.dynamic_slice_in_dim(mask, i * cq, cq, axis=1)
 
             def key_block(j, carry):
                 out, denom, row_max = carry
                 k_block, v_block = (jax.lax.dynamic_slice_in_dim(x, j * ck, ck, axis=2) for x in (kt, vt))
-                m_block = jax.lax.dynamic_slice_in_dim(mask_rows, j * ck, ck, axis=2)
-                o, d, new_max = _attention_block(q_block, k_block, v_block, m_block, row_max)
+                o, d, new_max = _attention_block(q_block, k_block, v_block, block_mask(i, j), row_max)
                 rescale = jnp.exp(row_max - new_max)  # the earlier blocks' terms, to the new max
                 return out * rescale[..., None] + o, denom * rescale + d, new_max
 

@@ -14,7 +14,8 @@ every executable cached whatever its compile time):
 2. Per (method, prompt length): the engine's prefill and decode step lowered for the shape `generate` uses
    (`Engine.lower`: tracing and lowering to StableHLO, timed apart) and compiled (`Lowered.compile()`: the XLA
    compile, cold); then, after `jax.clear_caches()`, lowered and compiled again (warm: the compile loads the
-   executable from the persistent cache). `cache_hits` counts the persistent-cache hits JAX reports for that step.
+   executable from the persistent cache). `cache_hits` counts the persistent-cache hits JAX reports for that step;
+   each executable's XLA memory analysis (temp, argument and output MiB) is recorded beside its times.
 
 `--model tiny` runs a random 2-layer model (no tokenizer: no first-answer figure), for tests.
 """
@@ -64,14 +65,26 @@ def step_times(engine, prompt_tokens: int, batch: int, new_tokens: int) -> dict:
     hits = _cache_hits[0]
     prefill, prefill_lower_s = _timed(lambda: engine.lower_prefill(shape))
     decode, decode_lower_s = _timed(lambda: engine.lower_decode(shape))
-    _, prefill_compile_s = _timed(prefill.compile)
-    _, decode_compile_s = _timed(decode.compile)
+    prefill_exe, prefill_compile_s = _timed(prefill.compile)
+    decode_exe, decode_compile_s = _timed(decode.compile)
     return {
-        "prefill": {"lower_s": prefill_lower_s, "compile_s": prefill_compile_s},
-        "decode": {"lower_s": decode_lower_s, "compile_s": decode_compile_s},
+        "prefill": {"lower_s": prefill_lower_s, "compile_s": prefill_compile_s, **memory_mib(prefill_exe)},
+        "decode": {"lower_s": decode_lower_s, "compile_s": decode_compile_s, **memory_mib(decode_exe)},
         "cache_hits": _cache_hits[0] - hits,
         "shape": {"rows": shape.padded_rows, "prompt_bucket": shape.prompt_bucket, "capacities": shape.capacities},
     }
+
+
+def memory_mib(compiled: jax.stages.Compiled) -> dict:
+    """XLA's buffer sizes of an executable in MiB: its scratch (temp: what the step needs beyond its inputs and
+    outputs, e.g. a prefill's activations), arguments (weights, caches) and outputs."""
+    analysis = compiled.memory_analysis()
+    sizes = {
+        "temp_mib": analysis.temp_size_in_bytes,
+        "argument_mib": analysis.argument_size_in_bytes,
+        "output_mib": analysis.output_size_in_bytes,
+    }
+    return {name: round(size / 2**20, 1) for name, size in sizes.items()}
 
 
 def first_answer(llm, request: dict) -> dict:
