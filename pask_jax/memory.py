@@ -1,4 +1,5 @@
-"""Memory sums from shapes alone: bytes one device holds of a tree laid out on a mesh, a model's parameters, a KV cache.
+"""Memory sums from shapes alone: bytes one device holds of a tree laid out on a mesh, a model's parameters, a KV cache,
+a tree's bytes, and how many cache rows fit a byte limit.
 
 Nothing is allocated: parameters come from `nnx.eval_shape`, caches from `jax.eval_shape`, their layout from the
 sharding table (`pask_jax.models.sharding`).
@@ -7,7 +8,7 @@ sharding table (`pask_jax.models.sharding`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +48,15 @@ def cache_bytes_per_device(cfg: ModelConfig, dtype, batch: int, slots: int, data
         lambda: GroupCache.empty(cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim, dtype, axes=axes)
     )
     return bytes_per_device(cache, cache.partition_specs(), mesh_shape)
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) of `tree`, all devices' shards together: e.g. a model's weights."""
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def rows_fitting(bytes_at: Callable[[int], int], limit: int) -> int:
+    """The most rows whose caches fit `limit` bytes, where `bytes_at(n)` is the bytes of n rows and grows linearly
+    with them (a per-row part plus a fixed part, such as a cache's overflow flag); 0 when not even one row fits."""
+    per_row = bytes_at(2) - bytes_at(1)
+    return max(0, (limit - (bytes_at(1) - per_row)) // per_row)

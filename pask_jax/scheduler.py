@@ -42,6 +42,7 @@ from pask_jax.engine import (
     mask_words,
     padded_batch,
 )
+from pask_jax.memory import rows_fitting
 from pask_jax.structure.constraint import TokenConstraint
 from pask_jax.structure.roles import NO_TOOL
 
@@ -88,9 +89,11 @@ def row_shape(engine: Engine, requests: Sequence[SequenceRequest], rows: int) ->
 def rows_for_memory(engine: Engine, shape: BatchShape, kv_memory_bytes: int, max_rows: int) -> int:
     """The most rows (at most `max_rows`, a multiple of the mesh's data size) whose caches at `shape`'s capacities
     fit `kv_memory_bytes`; 0 when not even one row fits."""
-    one, two = (engine.cache_bytes(dataclasses.replace(shape, rows=n, padded_rows=n)) for n in (1, 2))
-    per_row = two - one  # the rest is per cache, not per row (its overflow flag)
-    rows = min(max_rows, max(kv_memory_bytes - (one - per_row), 0) // per_row)
+
+    def bytes_at(n: int) -> int:
+        return engine.cache_bytes(dataclasses.replace(shape, rows=n, padded_rows=n))
+
+    rows = min(max_rows, rows_fitting(bytes_at, kv_memory_bytes))
     return rows - rows % engine.data_size
 
 

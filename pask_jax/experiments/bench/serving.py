@@ -55,7 +55,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -71,6 +70,7 @@ from pask_jax.experiments.bench.stream import (
 )
 from pask_jax.experiments.bench.workloads import Workload, build_workload, workload_tokens
 from pask_jax.factory import make_engine
+from pask_jax.memory import rows_fitting, tree_bytes
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import PersistencePolicy, resolve_policy
@@ -169,16 +169,6 @@ def largest_batch(bytes_at: Callable[[int], int], limit: int, ceiling: int = 1 <
     while batch < ceiling and bytes_at(max(2 * batch, 1)) <= limit:
         batch = max(2 * batch, 1)
     return batch
-
-
-def unpadded_fit(bytes_at: Callable[[int], int], limit: int) -> int:
-    """Rows that would fit `limit` if the cache were allocated per row (no power-of-two padding)."""
-    per_row = bytes_at(2) - bytes_at(1)
-    return max(0, (limit - (bytes_at(1) - per_row)) // per_row)
-
-
-def weights_bytes(engine: Engine) -> int:
-    return int(sum(x.nbytes for x in jax.tree.leaves(engine.params)))
 
 
 def memory_analysis(engine: Engine, shape: BatchShape, sampling: SamplingConfig) -> dict[str, dict]:
@@ -287,14 +277,14 @@ def prepare(setup: Setup, workload: Workload, method: str, budget: float, cfg: B
         "limit_bytes": limit,
         "cache_bytes": engine.cache_bytes(shape),
         "cache_bytes_per_sequence": bytes_at(2) - bytes_at(1),
-        "weights_bytes": weights_bytes(engine),
+        "weights_bytes": tree_bytes(engine.params),
         "xla": xla,
         "device_peak_bytes": device_peak_bytes(),
         "capacities": list(shape.capacities),
     }
     memory["peak_bytes"] = max(peaks) if peaks else memory["weights_bytes"] + memory["cache_bytes"]
     memory["peak_source"] = "xla_memory_analysis" if peaks else "weights_plus_cache"
-    return Contender(method, budget, engine, fit, unpadded_fit(bytes_at, limit), batch, memory)
+    return Contender(method, budget, engine, fit, rows_fitting(bytes_at, limit), batch, memory)
 
 
 def ratios_vs_full(run: Contender, full: Contender) -> tuple[dict, dict]:

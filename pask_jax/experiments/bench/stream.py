@@ -29,12 +29,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.experiments.bench.machine import code_state, compiles_so_far, machine_info
 from pask_jax.experiments.bench.workloads import Workload
+from pask_jax.memory import tree_bytes
 from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
 from pask_jax.structure import GrammarConstraint
 
@@ -224,7 +224,7 @@ def _record(c: StreamContender, contenders: Sequence[StreamContender]) -> dict:
         "scheduler": c.scheduler,
         "rows": c.rows,
         "cache_bytes": c.cache_bytes,
-        "weights_bytes": int(sum(x.nbytes for x in jax.tree.leaves(c.engine.params))),
+        "weights_bytes": tree_bytes(c.engine.params),
         **medians,
         "ratio_vs_full": ratios,
         "requests_per_s_vs_static": None if static is None else _median_ratio(c, static, "requests_per_s"),
