@@ -398,7 +398,11 @@ def read_bounds(schema: dict, error: Any = GrammarError) -> tuple[Bound | None, 
             highs.append(Bound(number, schema.get("exclusiveMaximum") is True))
         else:
             (lows if key == "exclusiveMinimum" else highs).append(Bound(number, True))
-    # the tighter bound; at the same value the exclusive one
+    return _tightest(lows, highs)
+
+
+def _tightest(lows: list[Bound], highs: list[Bound]) -> tuple[Bound | None, Bound | None]:
+    """The tightest lower and upper bound (None where there is none); at the same value the exclusive one."""
     low = max(lows, key=lambda b: (b.value, b.exclusive), default=None)
     high = min(highs, key=lambda b: (b.value, not b.exclusive), default=None)
     return low, high
@@ -428,10 +432,7 @@ def _bounded(schema: dict | None, low: Bound | None, high: Bound | None) -> dict
     if schema.get("type") not in ("integer", "number"):
         return schema  # bounds constrain numbers only
     old_low, old_high = read_bounds(schema)
-    lows = [b for b in (low, old_low) if b is not None]
-    highs = [b for b in (high, old_high) if b is not None]
-    low = max(lows, key=lambda b: (b.value, b.exclusive), default=None)
-    high = min(highs, key=lambda b: (b.value, not b.exclusive), default=None)
+    low, high = _tightest([b for b in (low, old_low) if b is not None], [b for b in (high, old_high) if b is not None])
     if bounded_regex(schema["type"] == "integer", low, high) is None:
         return None
     out: dict[str, Any] = {"type": schema["type"]}
