@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pask_jax.cache import GroupCache, per_row_shards
+from pask_jax.decoding import DecodeRows, Generation, SamplingConfig, StepCallback, StepTiming, mask_words
 from pask_jax.layers import layer_groups
 from pask_jax.methods import FullKV, KVMethod
 from pask_jax.methods.base import PrefillContext, allowance_capacity
@@ -66,49 +67,6 @@ DEFAULT_LENGTH_BUCKETS = (
     32768,
 )
 NEW_TOKEN_BUCKET = 64  # decode capacity grows in steps of this, so nearby max_new_tokens share a compile
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 and top_p={self.top_p} in (0, 1]")
-
-
-@dataclasses.dataclass
-class RequestStats:
-    prompt_tokens: int
-    generated_tokens: int = 0
-    ttft_s: float = 0.0  # prefill + first token, seen on the host
-    token_times_s: list[float] = dataclasses.field(default_factory=list)  # wall time of each decode step
-    kept_ratios: list[float] = dataclasses.field(default_factory=list)  # kept/full KV entries after each step
-
-    @property
-    def kept_ratio_mean(self) -> float:
-        return float(np.mean(self.kept_ratios)) if self.kept_ratios else 1.0
-
-    @property
-    def kept_ratio_max(self) -> float:
-        return float(np.max(self.kept_ratios)) if self.kept_ratios else 1.0
-
-
-@dataclasses.dataclass
-class Generation:
-    tokens: list[int]
-    finish_reason: str  # "stop" | "length"
-    stats: RequestStats
-
-
-def mask_words(vocab_size: int) -> int:
-    """Words per row of a packed token mask (i32[B, ceil(V/32)]): one bit per token id."""
-    return -(-vocab_size // 32)
 
 
 def unpack_mask(bits: jax.Array, vocab: int) -> jax.Array:
@@ -400,22 +358,6 @@ def _insert_rows(caches: list[GroupCache], new: list[GroupCache], rows: jax.Arra
 
 
 @dataclasses.dataclass(frozen=True)
-class StepTiming:
-    """Host wall-clock time of one step of a generate call: what an `on_step` callback receives.
-
-    Step 0 is the prefill (one forward over the padded prompts, until its logits are ready); step k >= 1 is the k-th
-    decode step, which produces token k + 1 of every live row (the first token comes from the prefill logits).
-    """
-
-    step: int
-    seconds: float  # prefill: until its logits are ready; decode: the whole step, the value `token_times_s` records
-    call_seconds: float  # the jitted call alone until its outputs are on the host (decode: without the grammar mask)
-
-
-StepCallback = Callable[[StepTiming], None]
-
-
-@dataclasses.dataclass(frozen=True)
 class LoweredSteps:
     """The engine's jitted prefill and decode step lowered for one `BatchShape`, with the arguments generate passes.
 
@@ -702,67 +644,22 @@ class Engine:
         prefill_s: float,
         on_step: StepCallback | None,
     ) -> list[Generation]:
-        """The host loop after prefill: sample, advance the grammar, one jitted decode step per token."""
-        cfg = self.cfg
-        n, b_bucket = shape.rows, shape.padded_rows
+        """The host loop after prefill: every row admitted at once, one jitted decode step per later token."""
         if on_step is not None:
             on_step(StepTiming(0, prefill_s, prefill_s))
-        kept = np.asarray(kept)
-        start = time.perf_counter()
-        no_constraint = np.full((b_bucket, mask_words(cfg.vocab_size)), -1, np.int32)
-        key = jax.random.key(sampling.seed)
-        # The first token comes from the prefill logits: one decode step per later token.
-        bits = no_constraint if constraint is None else _pad_rows(constraint.mask(), b_bucket)
-        key, sub = jax.random.split(key)
-        current = np.asarray(_sample_masked(logits, bits, sub, sampling.temperature, sampling.top_p))
-        ttft = prefill_s + time.perf_counter() - start
-
-        full_per_token = cfg.num_layers * cfg.num_kv_heads
-        stats = [
-            RequestStats(
-                prompt_tokens=int(lengths[i]), ttft_s=ttft, kept_ratios=[kept[i] / (full_per_token * lengths[i])]
-            )
-            for i in range(n)
-        ]
-        outputs: list[list[int]] = [[] for _ in range(n)]
-        done = np.zeros(b_bucket, bool)
-        done[n:] = True
-        finish = ["length"] * n
-        positions = lengths.copy()
-        for step in range(sampling.max_new_tokens):
-            for i in np.flatnonzero(~done[:n]):
-                outputs[i].append(int(current[i]))
-                stats[i].generated_tokens += 1
-                if int(current[i]) in self.stop_token_ids:
-                    done[i], finish[i] = True, "stop"
-            step_roles = np.zeros(b_bucket, np.int32)
-            called = np.full(b_bucket, NO_TOOL, np.int32)
-            if constraint is not None:
-                step_roles[:n] = constraint.advance(current[:n])
-                called[:n] = constraint.called_tools()
-            if done.all() or step == sampling.max_new_tokens - 1:
-                break
-            t0 = time.perf_counter()
-            bits = no_constraint if constraint is None else _pad_rows(constraint.mask(), b_bucket)
-            key, sub = jax.random.split(key)
-            call_start = time.perf_counter()
-            next_tokens, caches, kept, overflow = self.decode_step(
-                caches, current, positions, step_roles, lengths, bits, sub, sampling, called
-            )
-            current, kept, overflowed = np.asarray(next_tokens), np.asarray(kept), bool(overflow)
-            call_s = time.perf_counter() - call_start
-            if overflowed:
-                raise RuntimeError(
-                    f"KV cache overflow: method {self.method.name!r} exceeded capacities {shape.capacities}"
-                )
-            dt = time.perf_counter() - t0
-            for i in np.flatnonzero(~done[:n]):
-                stats[i].token_times_s.append(dt)
-                stats[i].kept_ratios.append(kept[i] / (full_per_token * (positions[i] + 1)))
-            positions += 1
-            if on_step is not None:
-                on_step(StepTiming(step + 1, dt, call_s))
-        return [Generation(outputs[i], finish[i], stats[i]) for i in range(n)]
+        n, cfg = shape.rows, self.cfg
+        rows = DecodeRows(
+            self, shape.padded_rows, cfg.vocab_size, cfg.num_layers * cfg.num_kv_heads, sampling, shape.capacities,
+            on_step=on_step,
+        )  # fmt: skip
+        origin = time.perf_counter() - prefill_s
+        rows.admit(range(n), range(n), lengths[:n], [sampling.max_new_tokens] * n, logits, np.asarray(kept),
+                   constraint, origin)  # fmt: skip
+        generations: dict[int, Generation] = dict(rows.release())
+        while rows.live:
+            caches = rows.step(caches)
+            generations.update(rows.release())
+        return [generations[i] for i in range(n)]
 
 
 def generate_shared(
@@ -829,9 +726,3 @@ def generate_shared(
 def _no_call(tokens: np.ndarray) -> np.ndarray:
     """i32[B]: no row's called tool known."""
     return np.full(np.shape(tokens), NO_TOOL, np.int32)
-
-
-def _pad_rows(bits: np.ndarray, rows: int) -> np.ndarray:
-    out = np.full((rows, bits.shape[1]), -1, np.int32)
-    out[: bits.shape[0]] = bits
-    return out

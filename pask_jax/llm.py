@@ -45,7 +45,7 @@ from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
 from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError, parse_request
 from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
 from pask_jax.structure import FreeTextConstraint, GrammarConstraint
-from pask_jax.structure.call_parser import parse_text_calls, split_native_calls
+from pask_jax.structure.call_parser import parse_text_calls, split_grammar_calls
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 DEFAULT_MAX_CONTEXT = 32768
@@ -286,13 +286,15 @@ class LLM:
 
     def _answers_with_calls(self, prepared: PreparedRequest, tokens: list[int]) -> bool:
         """Whether the grammar's call branch was taken: by the first token (an "auto" text answer may spell the
-        text "<tool_call>" with ordinary tokens, which the grammar's text branch allows)."""
+        text "<tool_call>" with ordinary tokens, which the grammar's text branch allows; ``{`` or a backtick first
+        opens a call there, `regex.py`)."""
         grammar = prepared.grammar
         if grammar is None or grammar.kind == "json" or not tokens:
             return False
-        if grammar.kind == "tool_calls":
+        if grammar.kind == "tool_calls" or tokens[0] == grammar.vocab.call_open_id:
             return True
-        return tokens[0] == grammar.vocab.call_open_id
+        first = grammar.vocab.token_bytes[tokens[0]] if tokens[0] < grammar.vocab.size else b""
+        return first[:1] in (b"{", b"`")
 
     def completion(self, prepared: PreparedRequest, gen: Generation, created: int) -> dict:
         """One generation as an OpenAI `chat.completion` object, plus the `pask` field."""
@@ -302,7 +304,7 @@ class LLM:
         stop_ids = set(self.tokenizer.eos_token_ids)
         text = self.tokenizer.decode([t for t in tokens if t not in stop_ids])
         with_calls = self._answers_with_calls(prepared, tokens)
-        content, tool_calls = split_native_calls(text) if with_calls else (text, [])
+        content, tool_calls = split_grammar_calls(text) if with_calls else (text, [])
         if content is not None and request.stop and not tool_calls:
             cut = min((content.find(s) for s in request.stop if s in content), default=-1)
             if cut >= 0:

@@ -32,19 +32,10 @@ from collections.abc import Iterator, Sequence
 import jax
 import numpy as np
 
-from pask_jax.engine import (
-    BatchShape,
-    Engine,
-    Generation,
-    RequestStats,
-    SamplingConfig,
-    length_bucket,
-    mask_words,
-    padded_batch,
-)
+from pask_jax.decoding import DecodeRows, Generation, SamplingConfig, mask_words
+from pask_jax.engine import BatchShape, Engine, length_bucket, padded_batch
 from pask_jax.memory import rows_fitting
 from pask_jax.structure.constraint import TokenConstraint
-from pask_jax.structure.roles import NO_TOOL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,22 +51,6 @@ class SequenceRequest:
     roles: Sequence[int] | None = None
     constraint: TokenConstraint | None = None
     tools: Sequence[int] | None = None
-
-
-@dataclasses.dataclass
-class _Row:
-    """A request in its cache row."""
-
-    index: int  # into the run's requests
-    request: SequenceRequest
-    stats: RequestStats
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    finish: str | None = None  # "stop" | "length" once it ends
-
-    @property
-    def position(self) -> int:
-        """Position of the newest token: the one the next step feeds."""
-        return self.stats.prompt_tokens + len(self.tokens) - 1
 
 
 def row_shape(engine: Engine, requests: Sequence[SequenceRequest], rows: int) -> BatchShape:
@@ -186,105 +161,33 @@ class ContinuousBatcher:
         if not requests:
             return
         self.check(requests)
-        engine, sampling = self.engine, self.sampling
+        engine, cfg = self.engine, self.engine.cfg
         shape = row_shape(engine, requests, self.rows)
-        width = shape.padded_rows
-        words = mask_words(engine.cfg.vocab_size)
-        full_per_token = engine.cfg.num_layers * engine.cfg.num_kv_heads
         start = time.perf_counter()
-        caches = engine.empty_caches(width, shape.capacities)
-        key = jax.random.key(sampling.seed)
+        caches = engine.empty_caches(shape.padded_rows, shape.capacities)
+        rows = DecodeRows(
+            engine, shape.padded_rows, cfg.vocab_size, cfg.num_layers * cfg.num_kv_heads, self.sampling,
+            shape.capacities, overlap_grammar=self.overlap_grammar,
+        )  # fmt: skip
         waiting = collections.deque(range(len(requests)))
-        slots: list[_Row | None] = [None] * width
-        # what the next step feeds each row (a free row repeats its last position: written and evicted in-row)
-        tokens, positions = np.zeros(width, np.int32), np.zeros(width, np.int32)
-        roles, prompt_lengths = np.zeros(width, np.int32), np.ones(width, np.int32)
-        called = np.full(width, NO_TOOL, np.int32)  # the tool each row's current call calls
-
-        def take(slot: int, token: int) -> None:
-            """A sampled token joins its row's output; unless it ends the row, the next step feeds it."""
-            row = slots[slot]
-            row.tokens.append(token)
-            row.stats.generated_tokens += 1
-            if token in engine.stop_token_ids:
-                row.finish = "stop"
-            elif len(row.tokens) >= row.request.max_new_tokens:
-                row.finish = "length"
-            else:
-                constraint = row.request.constraint
-                if constraint is not None:
-                    roles[slot] = int(constraint.advance(np.array([token]))[0])
-                    called[slot] = int(constraint.called_tools()[0])
-                tokens[slot], positions[slot] = token, row.position
-
-        def masks(rows: Sequence[int]) -> np.ndarray:
-            """i32[len(rows), W] packed masks of these rows (a free or unconstrained row: every token)."""
-            bits = np.full((len(rows), words), -1, np.int32)
-            for i, slot in enumerate(rows):
-                row = slots[slot]
-                if row is not None and row.request.constraint is not None:
-                    bits[i] = row.request.constraint.mask()[0]
-            return bits
-
-        def release() -> Iterator[tuple[int, Generation]]:
-            """Free the rows whose sequence ended (the next admission refills them) and hand their results out."""
-            for slot, row in enumerate(slots):
-                if row is not None and row.finish is not None:
-                    slots[slot] = None
-                    roles[slot], prompt_lengths[slot], called[slot] = 0, 1, NO_TOOL
-                    yield row.index, Generation(row.tokens, row.finish, row.stats)
-
-        while waiting or any(slots):
-            free = [slot for slot, row in enumerate(slots) if row is None][: len(waiting)]
-            admitted = [(waiting.popleft(), slot) for slot in free]
+        while waiting or rows.live:
+            admitted = [(waiting.popleft(), slot) for slot in rows.free_slots[: len(waiting)]]
             for chunk in admission_chunks(
                 [len(requests[i].ids) for i, _ in admitted], engine.data_size, self.max_prefill_rows
             ):
                 group = [admitted[k] for k in chunk]
-                caches, logits, kept = self._prefill_into(
-                    caches, [requests[i] for i, _ in group], [slot for _, slot in group], shape
-                )
-                for k, (index, slot) in enumerate(group):
-                    n = len(requests[index].ids)
-                    stats = RequestStats(prompt_tokens=n, kept_ratios=[kept[k] / (full_per_token * n)])
-                    slots[slot] = _Row(index, requests[index], stats)
-                    prompt_lengths[slot] = n
-                # their first tokens come from the prefill logits (padded group rows: every token allowed)
-                bits = np.full((logits.shape[0], words), -1, np.int32)
-                bits[: len(group)] = masks([slot for _, slot in group])
-                key, sub = jax.random.split(key)
-                first = np.asarray(engine.sample(logits, bits, sub, sampling))
-                ttft = time.perf_counter() - start
-                for k, (_, slot) in enumerate(group):
-                    slots[slot].stats.ttft_s = ttft
-                    take(slot, int(first[k]))
-            yield from release()
-            if waiting and not all(slots) or not any(slots):
+                admitted_requests = [requests[i] for i, _ in group]
+                caches, logits, kept = self._prefill_into(caches, admitted_requests, [slot for _, slot in group], shape)
+                rows.admit(
+                    [i for i, _ in group], [slot for _, slot in group], [len(r.ids) for r in admitted_requests],
+                    [r.max_new_tokens for r in admitted_requests], logits, kept,
+                    [r.constraint for r in admitted_requests], start,
+                )  # fmt: skip
+            yield from rows.release()
+            if waiting and rows.free_slots or not rows.live:
                 continue  # a row ended at its first token: refill it before the step
-            t0 = time.perf_counter()
-            key, sub = jax.random.split(key)
-            every = range(width)
-            if self.overlap_grammar:
-                logits, caches, kept, overflow = engine.decode_logits(
-                    caches, tokens, positions, roles, prompt_lengths, called
-                )
-                sampled = engine.sample(logits, masks(every), sub, sampling)  # masks built while the step runs
-            else:
-                sampled, caches, kept, overflow = engine.decode_step(
-                    caches, tokens, positions, roles, prompt_lengths, masks(every), sub, sampling, called
-                )
-            sampled, kept = np.asarray(sampled), np.asarray(kept)
-            if bool(overflow):
-                raise RuntimeError(
-                    f"KV cache overflow: method {engine.method.name!r} exceeded capacities {shape.capacities}"
-                )
-            dt = time.perf_counter() - t0
-            for slot, row in enumerate(slots):
-                if row is not None:
-                    row.stats.token_times_s.append(dt)
-                    row.stats.kept_ratios.append(kept[slot] / (full_per_token * (row.position + 1)))
-                    take(slot, int(sampled[slot]))
-            yield from release()
+            caches = rows.step(caches)
+            yield from rows.release()
 
     def _prefill_into(
         self, caches: list, group: Sequence[SequenceRequest], slots: Sequence[int], shape: BatchShape

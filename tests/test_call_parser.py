@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pask_jax.engine import Generation, RequestStats
+from pask_jax.decoding import Generation, RequestStats
 from pask_jax.llm import LLM
 from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.requests import parse_request
-from pask_jax.structure.call_parser import parse_text_calls, split_native_calls
+from pask_jax.structure.call_parser import parse_text_calls, split_grammar_calls
 from pask_jax.structure.schema import parse_tools
 
 DATA = Path(__file__).parent / "data"
@@ -158,14 +158,28 @@ def test_unusable_schema_validates_nothing():
     assert len(parse_text_calls(text, tools)[1]) == 1
 
 
-def test_split_native_calls_keeps_the_grammar_branch_behaviour():
-    """Calls from the grammar's branch are not checked against the schema; unfinished and malformed blocks are text."""
+def test_split_grammar_calls_keeps_the_grammar_branch_behaviour():
+    """Calls from the grammar's branch are not checked against the schema; unfinished and malformed calls are text."""
     out_of_range = {"name": "book_table", "arguments": {"party": 40}}
     text = f'<tool_call>\n{json.dumps(out_of_range)}\n</tool_call>\n<tool_call>\n{{"name": 1}}\n</tool_call>\n'
-    content, calls = split_native_calls(text)
+    content, calls = split_grammar_calls(text)
     assert _names_and_arguments(calls) == [("book_table", {"party": 40})]
     assert content == '<tool_call>\n{"name": 1}\n</tool_call>'
-    assert split_native_calls(f"<tool_call>\n{json.dumps(OSLO)}") == (f"<tool_call>\n{json.dumps(OSLO)}", [])
+    cut = f"<tool_call>\n{json.dumps(OSLO)[:-3]}"  # the token limit fell inside the call
+    assert split_grammar_calls(cut) == (cut, [])
+
+
+@pytest.mark.parametrize(
+    "opening, closing",
+    [("", ""), ("```json\n", "\n```"), ("```json\n", ""), ("<tool_call>\n", ""), ("", "\n</tool_call>")],
+)
+def test_split_grammar_calls_reads_every_opening_and_closing_the_auto_grammar_allows(opening, closing):
+    """Under "auto" one call automaton serves every opening, so a call may close with any closing or none."""
+    second = {"name": "get_weather", "arguments": {"city": "Rome"}}
+    text = f"{opening}{json.dumps(OSLO)}{closing}\n<tool_call>\n{json.dumps(second)}\n</tool_call>"
+    content, calls = split_grammar_calls(text)
+    assert content is None
+    assert _names_and_arguments(calls) == [(OSLO["name"], OSLO["arguments"]), ("get_weather", {"city": "Rome"})]
 
 
 # --- through LLM.completion: the answer's tokens are given, so the parser is tested where it is wired in
@@ -192,10 +206,10 @@ def test_completion_reads_calls_from_auto_text_answers_only(llm: LLM, qwen_tok):
     assert auto["finish_reason"] == "tool_calls" and auto["message"]["content"] == "Sure."
     assert _names_and_arguments(auto["message"]["tool_calls"]) == [("get_weather", OSLO["arguments"])]
 
-    unknown = qwen_tok.encode(_fence({"name": "get_time", "arguments": {}})) + [eos]
+    unknown = qwen_tok.encode("Sure.\n" + _fence({"name": "get_time", "arguments": {}})) + [eos]
     refused = _answer(llm, {"tools": [WEATHER]}, unknown)
     assert refused["finish_reason"] == "stop" and "tool_calls" not in refused["message"]
-    assert refused["message"]["content"] == _fence({"name": "get_time", "arguments": {}})
+    assert refused["message"]["content"] == "Sure.\n" + _fence({"name": "get_time", "arguments": {}})
 
     none = _answer(llm, {"tools": [WEATHER], "tool_choice": "none"}, fenced)
     assert none["finish_reason"] == "stop" and none["message"]["content"] == text
@@ -217,6 +231,11 @@ def test_completion_keeps_grammar_branch_calls(llm: LLM, qwen_tok):
     choice = _answer(llm, {"tools": [WEATHER]}, tokens)
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert _names_and_arguments(choice["message"]["tool_calls"]) == [("get_weather", out_of_schema["arguments"])]
+    # under "auto" a fence or { first is the call branch too; the fence may end the turn unclosed
+    for text in (f"```json\n{json.dumps(OSLO)}", json.dumps(OSLO)):
+        choice = _answer(llm, {"tools": [WEATHER]}, [*qwen_tok.encode(text), qwen_tok.eos_token_ids[0]])
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert _names_and_arguments(choice["message"]["tool_calls"]) == [("get_weather", OSLO["arguments"])]
 
 
 def test_the_auto_request_set_is_24_ordinary_batch_lines_under_auto():

@@ -436,7 +436,7 @@ def auto(tok):
 
 def test_auto_accepts_a_text_answer_or_calls(tok, auto):
     assert auto.kind == "auto" and auto.function_names == ("math.factorial",)
-    answer = tok.encode("I need a number first: which one? {not a call}<|im_end|>")
+    answer = tok.encode(" I need a number first: which one? {not a call}<|im_end|>")
     roles, complete = auto.walk(answer)
     assert complete and roles == [Role.FREE_TEXT] * (len(answer) - 1) + [Role.END_OF_TURN]
     assert auto.accepts(tok.encode("<|im_end|>"))  # an empty answer
@@ -446,9 +446,20 @@ def test_auto_accepts_a_text_answer_or_calls(tok, auto):
     one_call = tok.encode(render([("math.factorial", {"number": 5})], "tool_call"))[:-1]
     assert auto.walk(one_call + tok.encode("\nDone.<|im_end|>")) is None  # text after a call
     assert auto.walk(tok.encode("Sure.") + one_call) is None  # text before a call
-    assert auto.walk(tok.encode('{"name": "math.factorial", "arguments": {"number": 5}}<|im_end|>'))[0][0] == (
-        Role.FREE_TEXT  # a call written without <tool_call> is text
-    )
+    native_roles = roles[2 : roles.index(Role.FUNCTION_NAME) + 1]  # past "<tool_call>", "\n"
+    # a call the model starts bare or in a json fence is held to the schema, with the call's roles
+    for opening, closing in (("", ""), ("```json\n", "\n```")):
+        call = '{"name": "math.factorial", "arguments": {"number": 5}}'
+        ids = tok.encode(f"{opening}{call}{closing}<|im_end|>")
+        roles, complete = auto.walk(ids)
+        assert complete and Role.FREE_TEXT not in roles and roles.count(Role.FUNCTION_NAME) == 4
+        skip = len(tok.encode(opening))
+        assert roles[skip : skip + len(native_roles)] == native_roles
+        assert auto.walk(tok.encode(f'{opening}{{"name": "math.factorial", "arguments": {{"n": 5}}}}')) is None
+        assert auto.walk(tok.encode(f"{opening}{{not a call}}")) is None
+    assert auto.walk(tok.encode("```python\nprint(1)\n```<|im_end|>")) is None  # a fence opens only a call
+    assert auto.accepts(tok.encode("Code:\n```python\nprint(1)\n```<|im_end|>"))  # after prose, any fence
+    assert auto.accepts(tok.encode("[1] is a citation<|im_end|>"))
 
 
 def test_auto_constraint_masks_no_text_between_calls(tok, auto):

@@ -23,9 +23,10 @@ tool parsers and llama.cpp's chat formats do. The rule, exactly:
 What the rule refuses, it refuses because the text then is an answer, not a call: JSON that names no tool of the
 request, arguments the tool's schema rejects, or a call the model did not finish writing.
 
-``split_native_calls`` is the other path: the ``<tool_call>`` blocks of an answer that took the grammar's call branch,
-whose calls the grammar already shaped, so they are kept without checking the schema (the grammar loosens some
-keywords, such as ``multipleOf``, and such a call is still the model's call).
+``split_grammar_calls`` is the other path: the calls of an answer that took the grammar's call branch (``<tool_call>``
+first, or under ``auto`` a ``{`` or a fence first), whose calls the grammar already shaped, so they are kept without
+checking the schema (the grammar loosens some keywords, such as ``multipleOf``, and such a call is still the model's
+call).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ _BLOCK_START = re.compile(re.escape(TOOL_CALL_OPEN) + "|" + re.escape(FENCE))
 _FENCE_TAG = re.compile(r"(?i:json)?\s*")
 _FENCE_END = re.compile(r"\s*" + re.escape(FENCE))
 _DECODER = json.JSONDecoder()
+_OPENING = re.compile(r"\s*(?:" + re.escape(TOOL_CALL_OPEN) + "|" + re.escape(FENCE) + r"json)?\s*")
+_CLOSING = re.compile(r"\s*(?:" + re.escape(TOOL_CALL_CLOSE) + "|" + re.escape(FENCE) + ")?")
 
 
 def openai_tool_call(name: str, arguments: Any) -> dict:
@@ -62,30 +65,24 @@ def openai_tool_call(name: str, arguments: Any) -> dict:
     }
 
 
-def split_native_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an answer that took the grammar's call branch: each ``<tool_call>`` block whose body
-    is ``{"name", "arguments"}`` JSON becomes a call (unchecked: the grammar shaped it), the rest is content
-    (stripped; None if empty). An unfinished block (cut off by the token limit) or a malformed one is content."""
-    calls, rest, pos = [], [], 0
-    while (start := text.find(TOOL_CALL_OPEN, pos)) >= 0:
-        rest.append(text[pos:start])
-        end = text.find(TOOL_CALL_CLOSE, start)
-        if end < 0:
-            rest.append(text[start:])
-            pos = len(text)
-            break
-        body = text[start + len(TOOL_CALL_OPEN) : end]
+def split_grammar_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of an answer that took the grammar's call branch: its ``{"name", "arguments"}`` call
+    objects, in order, unchecked (the grammar shaped them). Each call may open with ``<tool_call>``, a ```` ```json ````
+    fence or nothing and close with ``</tool_call>``, a fence or nothing: one call automaton serves every opening
+    under ``tool_choice="auto"`` (``regex.py``), so openings and closings need not pair. The scan stops at the first
+    text that is not a complete call object (cut off by the token limit, or malformed): that text is the content
+    (stripped; None if empty)."""
+    calls, pos = [], 0
+    while pos < len(text):
+        start = _OPENING.match(text, pos).end()
         try:
-            call = json.loads(body)
+            call, end = _DECODER.raw_decode(text, start)
             name, arguments = call["name"], call["arguments"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            rest.append(text[start : end + len(TOOL_CALL_CLOSE)])
-        else:
-            calls.append(openai_tool_call(name, arguments))
-        pos = end + len(TOOL_CALL_CLOSE)
-    rest.append(text[pos:])
-    content = "".join(rest).strip()
-    return (content or None), calls
+            break
+        calls.append(openai_tool_call(name, arguments))
+        pos = _CLOSING.match(text, end).end()
+    return (text[pos:].strip() or None), calls
 
 
 def parse_text_calls(text: str, tools: Sequence[dict], *, parallel: bool = True) -> tuple[str | None, list[dict]]:

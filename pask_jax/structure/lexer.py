@@ -50,10 +50,12 @@ class LexState(NamedTuple):
 
 
 LEX_CALLS = LexState()  # tool calls: outside the JSON is framing
-LEX_AUTO = LexState(outside="undecided")  # tool_choice="auto": a first byte other than <tool_call> starts a text answer
+# tool_choice="auto": a first byte <tool_call>, { or ` starts a call (as the grammar has it), any other a text answer
+LEX_AUTO = LexState(outside="undecided")
 LEX_JSON = LexState(stack=(Frame("root", "value", None),))  # response_format: the turn is one JSON value
 LEX_PROSE = LexState(outside="prose")  # a text answer: prose, and any JSON value in it read as a call
 _WS = frozenset(b" \t\r\n")
+_CALL_STARTS = frozenset((CALL_OPEN[0], 0x7B, 0x60))  # <tool_call>, {, `
 _NUMBER_START = frozenset(b"-0123456789")
 _SCALAR_BYTES = frozenset(b"0123456789+-.eEtruefalsn")
 _OBJECTS = ("call", "args", "obj")
@@ -82,7 +84,7 @@ def lex_step(state: LexState, byte: int) -> tuple[LexState, int]:
     if byte == END_OF_TURN[0]:
         return LexState(stack, None, None, outside), Role.END_OF_TURN
     if not stack:
-        if outside == "text" or (outside == "undecided" and byte != CALL_OPEN[0]):
+        if outside == "text" or (outside == "undecided" and byte not in _CALL_STARTS):
             return LexState(stack, None, None, "text"), Role.FREE_TEXT
         if outside == "prose" and byte not in (0x7B, 0x5B):
             return state, Role.FREE_TEXT
