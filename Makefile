@@ -28,7 +28,8 @@ demo: venv
 
 test: venv
 	$(VENV)/bin/ruff check pask_jax tests scripts tools
-	$(PY) -m pytest -q
+	# Test files spread over two workers (one file stays on one worker: its module fixtures compile once).
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: venv
 	$(VENV)/bin/ruff format --check pask_jax tests scripts tools

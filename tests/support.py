@@ -4,6 +4,7 @@ tests/test_sharding.py runs on device meshes."""
 
 from __future__ import annotations
 
+import socket
 import types
 from collections.abc import Callable
 
@@ -114,3 +115,10 @@ class Matrix:
             engine = self.engine(case, budget)
             self._static[key] = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), prompt_roles=ROLES)
         return self._static[key]
+
+
+def free_port() -> int:
+    """A localhost port free now, for a `jax.distributed` coordinator."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support import free_port
 from test_calibrate_data import _same, calibrate_command, write_model_dir, write_requests
 
 from pask_jax import cli
@@ -20,12 +20,6 @@ PROCESSES = 2
 ITEMS = ("--max-items", "2")  # of the 4 calibration requests: enough to compare, and quick
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_give_the_statistics_of_one(tmp_path: Path, capsys):
     model_dir = write_model_dir(tmp_path / "model", layers=2)
     data = write_requests(tmp_path / "requests.jsonl", per_tool_set=1)
@@ -33,7 +27,7 @@ def test_two_processes_give_the_statistics_of_one(tmp_path: Path, capsys):
     progress = tmp_path / "pod-progress"
     command = calibrate_command(model_dir, data, tmp_path / "pod", "--checkpoint", str(progress), *ITEMS)
     cluster = {
-        "JAX_COORDINATOR_ADDRESS": f"localhost:{_free_port()}",
+        "JAX_COORDINATOR_ADDRESS": f"localhost:{free_port()}",
         "JAX_NUM_PROCESSES": str(PROCESSES),
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": "",  # one CPU device per process: the mesh's two devices are one per host

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+from support import free_port
 from test_batch import CountingLLM, _line, _records, _write
 
 from pask_jax.batch import process_output_path, run_batch
@@ -139,12 +139,6 @@ def write_checkpoint(directory: Path, tokenizer) -> Path:
     return directory
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _answers(records: list[dict]) -> dict:
     """custom_id -> what the answer says (ids, timestamps and timings aside)."""
     out = {}
@@ -171,7 +165,7 @@ def test_two_processes_through_jax_distributed_answer_as_one(tmp_path: Path, qwe
     command = [sys.executable, "-m", "pask_jax.cli", "run", "-i", str(inp), "--model", str(model)]
     command += ["--method", "snapkv", "--budget", "0.5", "--max-batch", "2"]
     base = os.environ | {"JAX_PLATFORMS": "cpu"}
-    port = _free_port()
+    port = free_port()
     runs = [  # (output, environment): one process; then process 0 (on a 1x2 mesh) and 1 of two
         (["-o", str(tmp_path / "one.jsonl")], base | {"PASK_JAX_CACHE": str(tmp_path / "cache-one")}),
     ] + [
