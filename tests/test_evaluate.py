@@ -11,6 +11,7 @@ from pask_jax.experiments.bfcl.evaluate import EvalConfig, build_engines, format
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import qwen_tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
+from pask_jax.requests import RequestBuilder
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +83,9 @@ def test_long_context_items_list_distractors_and_the_grammar_allows_every_tool(t
 
     item = bfcl.evaluation_sample("simple_python", 0, 1)[0]
     tok = qwen_tokenizer()
-    short = _prepare(item, tok, EvalConfig(max_new_tokens=8))
-    long = _prepare(item, tok, EvalConfig(max_new_tokens=8, context=700, layout="question_first"))
+    builder = RequestBuilder(tok, None)
+    short = _prepare(item, builder, EvalConfig(max_new_tokens=8))
+    long = _prepare(item, builder, EvalConfig(max_new_tokens=8, context=700, layout="question_first"))
     assert len(short.ids) < 350 < len(long.ids) <= 700
     assert set(short.grammar.function_names) < set(long.grammar.function_names)  # every listed tool, not only its own
     assert all(f'"name": "{name}"' in long.text for name in long.grammar.function_names)
@@ -92,3 +94,35 @@ def test_long_context_items_list_distractors_and_the_grammar_allows_every_tool(t
     assert run["prepare_s"] > 0 and 350 < run["items"][0]["prompt_tokens"] <= 700
     with pytest.raises(ValueError, match="layout"):
         EvalConfig(context=700, layout="middle")
+
+
+def test_prompt_framings_for_parallel_calls():
+    from pathlib import Path
+
+    from pask_jax.experiments.bfcl.evaluate import _prepare
+    from pask_jax.experiments.bfcl.prompt import PARALLEL_INSTRUCTION
+    from pask_jax.models.chat_template import ChatTemplate
+
+    template = ChatTemplate(
+        (Path(__file__).parent / "data" / "qwen2.5_instruct.jinja").read_text(), eos_token="<|im_end|>"
+    )
+    builder = RequestBuilder(qwen_tokenizer(), template)
+    item = bfcl.dev_sample("parallel", 0, 1)[0]
+    with_system = dict(item, question=[[{"role": "system", "content": "Be brief."}, *item["question"][0]]])
+    bfcl_prompt = _prepare(item, builder, EvalConfig(prompt="bfcl"))
+    parallel = _prepare(item, builder, EvalConfig(prompt="bfcl_parallel"))
+    own_system = _prepare(with_system, builder, EvalConfig(prompt="bfcl_parallel")).text
+    assert PARALLEL_INSTRUCTION not in bfcl_prompt.text
+    assert parallel.text.startswith(f"<|im_start|>system\n{PARALLEL_INSTRUCTION}\n\n# Tools")
+    assert own_system.startswith(f"<|im_start|>system\n{PARALLEL_INSTRUCTION}\n\nBe brief.\n\n# Tools")
+    assert parallel.grammar.function_names == bfcl_prompt.grammar.function_names
+    own = _prepare(item, builder, EvalConfig(prompt="template"))
+    assert own.text != bfcl_prompt.text and own.text.startswith("<|im_start|>system\nYou are Qwen")  # the template's
+    assert own.request.tool_choice == "required" and own.grammar.parallel
+    for bad in (
+        {"prompt": "chat"},
+        {"prompt": "template", "framing": "json_fence"},
+        {"prompt": "template", "context": 700},
+    ):
+        with pytest.raises(ValueError, match="prompt"):
+            EvalConfig(**bad)

@@ -22,6 +22,7 @@ from pask_jax.arguments import (
     policy_dir,
 )
 from pask_jax.experiments.bfcl import CATEGORIES, SPLIT_RULE, SPLIT_RULES, SPLITS
+from pask_jax.experiments.bfcl.prompt import PROMPTS
 from pask_jax.models.fetch import enable_compile_cache
 
 
@@ -65,6 +66,7 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         framing=args.framing,
+        prompt=args.prompt,
         split=args.split,
         split_rule=args.split_rule,
         context=args.context,
@@ -99,6 +101,7 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         method_config=method_config,
         policies=policies,
         on_category=save if out else None,
+        chat_template=checkpoint.chat_template,
     )
     print(format_table(result, categories))
     if out:
@@ -228,6 +231,13 @@ def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
     p.add_argument("--batch-size", type=int_at_least(1), default=8)
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=256)
     p.add_argument("--framing", default="tool_call", choices=["tool_call", "json_fence"])
+    p.add_argument(
+        "--prompt",
+        default="bfcl",
+        choices=PROMPTS,
+        help="bfcl: BFCL's Qwen FC prompt; bfcl_parallel: with an instruction to write one call per thing asked; "
+        "template: the checkpoint's chat template with OpenAI tools (as `pask-jax run`)",
+    )
     p.add_argument(
         "--context",
         type=int_at_least(0),

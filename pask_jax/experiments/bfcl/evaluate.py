@@ -27,8 +27,9 @@ from tqdm.auto import tqdm
 from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine, SamplingConfig, generate_shared
 from pask_jax.experiments import bfcl
 from pask_jax.experiments.bfcl.long_context import LAYOUTS, item_seed, long_context_prompt
-from pask_jax.experiments.bfcl.prompt import prepare_bfcl, prepare_tool_prompt
+from pask_jax.experiments.bfcl.prompt import PROMPTS, prepare_bfcl, prepare_tool_prompt
 from pask_jax.factory import make_engine, resolve_spec
+from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
@@ -46,6 +47,7 @@ class EvalConfig:
     batch_size: int = 8
     max_new_tokens: int = 256
     framing: str = "tool_call"
+    prompt: str = "bfcl"  # or "bfcl_parallel" / "template" (`prompt.PROMPTS`): the parallel-call framings
     num_groups: int = 4
     split: str = "evaluation"  # or "dev": dev items, for tuning
     split_rule: str = bfcl.SPLIT_RULE  # "item-hash" reproduces results scored under the earlier per-item split
@@ -60,6 +62,10 @@ class EvalConfig:
             raise ValueError(f"split_rule={self.split_rule!r}; choose one of {', '.join(bfcl.SPLIT_RULES)}")
         if self.context < 0 or self.layout not in LAYOUTS:
             raise ValueError(f"context={self.context} must be >= 0 and layout={self.layout!r} one of {LAYOUTS}")
+        if self.prompt not in PROMPTS or (self.prompt != "bfcl" and self.context):
+            raise ValueError(f"prompt={self.prompt!r}: one of {', '.join(PROMPTS)}; long prompts use 'bfcl'")
+        if self.prompt == "template" and self.framing != "tool_call":
+            raise ValueError(f"prompt 'template' writes the template's own calls, not framing {self.framing!r}")
 
     def sample(self, category: str) -> list[dict]:
         return bfcl.split_sample(self.split, category, self.offset, self.limit, rule=self.split_rule)
@@ -106,17 +112,17 @@ def _category_run(items: list[dict], parser_s: float, decode_s: float, steps: in
     }
 
 
-def _prepare(item: dict, tokenizer: Tokenizer, cfg: EvalConfig) -> PreparedRequest:
-    builder = RequestBuilder(tokenizer, None)
+def _prepare(item: dict, builder: RequestBuilder, cfg: EvalConfig) -> PreparedRequest:
     if not cfg.context:
-        return prepare_bfcl(builder, item, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
+        return prepare_bfcl(builder, item, max_tokens=cfg.max_new_tokens, framing=cfg.framing, prompt=cfg.prompt)
+    tokenizer = builder.tokenizer
     messages, tools = long_context_prompt(item, tokenizer, cfg.context, item_seed(item["id"]), cfg.layout, cfg.split)
     return prepare_tool_prompt(builder, messages, tools, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
 
 
 def run_category(
     engines: dict[tuple[str, float], Engine],
-    tokenizer: Tokenizer,
+    builder: RequestBuilder,
     category: str,
     items: list[dict],  # the category's sample (`cfg.sample(category)`)
     cfg: EvalConfig,
@@ -125,7 +131,7 @@ def run_category(
     """One category through every engine; each batch's grammars, prompt roles and prefill are shared by all."""
     answers = bfcl.load_answers(category)
     start_prepare = time.perf_counter()
-    prepared = [_prepare(item, tokenizer, cfg) for item in items]
+    prepared = [_prepare(item, builder, cfg) for item in items]
     prepare_s = time.perf_counter() - start_prepare
     order = np.argsort([len(p.ids) for p in prepared], kind="stable")  # similar lengths share a batch: less padding
     results = {key: [None] * len(items) for key in engines}
@@ -147,7 +153,7 @@ def run_category(
             t = timing[key]
             t[0] += constraint.mask_s + constraint.advance_s
             for k, i in enumerate(idx):
-                results[key][i] = _item_result(items[i], answers[items[i]["id"]], gens[k], tokenizer, cfg)
+                results[key][i] = _item_result(items[i], answers[items[i]["id"]], gens[k], builder.tokenizer, cfg)
                 t[1] += sum(gens[k].stats.token_times_s)
                 t[2] += len(gens[k].stats.token_times_s)
             # the shared prefill plus this engine's decode steps (the longest sequence saw every step)
@@ -200,8 +206,10 @@ def run_bfcl(
     method_config: dict[str, dict] | None = None,
     policies: dict[str, PersistencePolicy] | None = None,
     on_category: Callable[[dict], None] | None = None,
+    chat_template: ChatTemplate | None = None,
 ) -> dict:
-    """Every (method spec, budget) over every category; `policies` (label -> policy) calibrate PASK.
+    """Every (method spec, budget) over every category; `policies` (label -> policy) calibrate PASK;
+    `chat_template` (the checkpoint's) for ``cfg.prompt == "template"``.
 
     `on_category` gets the result so far after each category (long runs save partial results with it)."""
     policies = policies or {}
@@ -219,6 +227,9 @@ def run_bfcl(
         if seen := sorted(sample_ids & set(policy.calibration_items)):  # item-hash dev samples can overlap
             raise ValueError(f"policy {label!r} was calibrated on {', '.join(seen[:3])}: pick a dev --offset past them")
     method_config = method_config or {}
+    if cfg.prompt == "template" and chat_template is None:
+        raise ValueError("prompt 'template' needs the checkpoint's chat template")
+    builder = RequestBuilder(tokenizer, chat_template)
     engines = build_engines(model, tokenizer, cfg, method_config, policies)
     total = len(sample_ids) * len(engines)
     config = dataclasses.asdict(cfg) | {"method_config": method_config}
@@ -230,7 +241,7 @@ def run_bfcl(
     runs = []
     with tqdm(total=total, desc="bfcl", unit="generation") as progress:
         for category, items in samples.items():
-            runs += run_category(engines, tokenizer, category, items, cfg, progress)
+            runs += run_category(engines, builder, category, items, cfg, progress)
             # Every category brings new length buckets, so new executables for each engine; a sweep that kept them
             # all would exhaust the process's memory maps (vm.max_map_count) on CPU. Repeated shapes come back from
             # the persistent compile cache.

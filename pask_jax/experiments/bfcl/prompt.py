@@ -20,6 +20,12 @@ assistant and tool branches serve multi-turn runs, which we do not evaluate).
 `prepare_bfcl` / `prepare_tool_prompt` turn an item (or other BFCL-dialect tools in the same prompt) into the
 library's `PreparedRequest`, with the grammar over the translated functions; `bfcl_request_body` writes an item as a
 user would send it to `pask-jax run` (the checkpoint's own template, OpenAI tools).
+
+**Prompt framings** (`PROMPTS`; for the parallel categories, where BFCL's own prompt gets one call from Qwen2.5
+models where two or more are asked): ``bfcl`` is BFCL's prompt; ``bfcl_parallel`` the same with
+`PARALLEL_INSTRUCTION` first in the system block (before a system message the item has); ``template`` the
+checkpoint's own chat template with OpenAI tools, as `pask-jax run` renders `bfcl_request_body`. The grammar admits
+one or more calls under each.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pask_jax.experiments.bfcl.dialect import bfcl_function
-from pask_jax.requests import DEFAULT_MAX_TOKENS, ChatRequest, PreparedRequest, RequestBuilder
+from pask_jax.requests import DEFAULT_MAX_TOKENS, ChatRequest, PreparedRequest, RequestBuilder, parse_request
 from pask_jax.structure import compile_grammar
 from pask_jax.structure.prompt_roles import token_labels
 
@@ -45,6 +51,12 @@ TOOLS_FOOTER = (
 )
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 PYTHON_HINT = " Note that the provided function is in Python 3 syntax."
+PROMPTS = ("bfcl", "bfcl_parallel", "template")
+PARALLEL_INSTRUCTION = (
+    "When the user asks for several things, or for the same thing with several values, make one function call for "
+    "each of them: write each call in its own <tool_call></tool_call> block, one after another, and end your turn "
+    "only when every call is written."
+)
 
 
 def format_tool_prompt(messages: list[dict[str, str]], tools: list[dict[str, Any]]) -> str:
@@ -95,6 +107,15 @@ def bfcl_prompt(item: dict[str, Any]) -> str:
     return format_tool_prompt(item["question"][0], bfcl_python_functions(item["function"]))
 
 
+def with_parallel_instruction(messages: Sequence[dict]) -> list[dict]:
+    """`PARALLEL_INSTRUCTION` as the system message, or before the item's own system message (a blank line apart)."""
+    messages = [dict(m) for m in messages]
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{PARALLEL_INSTRUCTION}\n\n{messages[0]['content']}"
+        return messages
+    return [{"role": "system", "content": PARALLEL_INSTRUCTION}, *messages]
+
+
 def bfcl_request_body(item: dict, max_tokens: int = DEFAULT_MAX_TOKENS) -> dict:
     """A BFCL item as a user would send it: its first turn's messages and its functions as OpenAI tools (with BFCL's
     Python hint in each description), a call required, greedy."""
@@ -134,8 +155,23 @@ def prepare_tool_prompt(
 
 
 def prepare_bfcl(
-    builder: RequestBuilder, item: dict, *, max_tokens: int = DEFAULT_MAX_TOKENS, framing: str = "tool_call"
+    builder: RequestBuilder,
+    item: dict,
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    framing: str = "tool_call",
+    prompt: str = "bfcl",
 ) -> PreparedRequest:
-    """A BFCL item ({"id", "question": [[messages]], "function": [...]}) as BFCL's Qwen FC handler prompts it."""
+    """A BFCL item ({"id", "question": [[messages]], "function": [...]}) under one of `PROMPTS` (default: as BFCL's
+    Qwen FC handler prompts it). ``template`` needs the builder's chat template and the ``tool_call`` framing."""
+    if prompt not in PROMPTS:
+        raise ValueError(f"prompt={prompt!r}; choose one of {', '.join(PROMPTS)}")
+    if prompt == "template":
+        if framing != "tool_call":
+            raise ValueError(f"prompt 'template' writes calls in the template's own syntax, not framing {framing!r}")
+        return builder.prepare(parse_request(bfcl_request_body(item, max_tokens)))
+    messages = item["question"][0]
+    if prompt == "bfcl_parallel":
+        messages = with_parallel_instruction(messages)
     functions = bfcl_python_functions(item["function"])
-    return prepare_tool_prompt(builder, item["question"][0], functions, max_tokens=max_tokens, framing=framing)
+    return prepare_tool_prompt(builder, messages, functions, max_tokens=max_tokens, framing=framing)
