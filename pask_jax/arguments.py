@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 METHOD_NAMES = ("full", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "dapq", "pask")  # = methods.METHODS
+GRAMMAR_BACKENDS = ("outlines", "llguidance")  # ours (schema translation + outlines-core), or llguidance's compiler
 
 
 def method_spec(spec: str) -> str:
@@ -23,6 +24,19 @@ def method_spec(spec: str) -> str:
     if spec.partition(":")[0] not in METHOD_NAMES:
         raise argparse.ArgumentTypeError(f"unknown method {spec!r}; known: {', '.join(METHOD_NAMES)} (or NAME:LABEL)")
     return spec
+
+
+def grammar_backend(name: str) -> str:
+    """A grammar backend, its optional package importable (found without importing it)."""
+    import importlib.util
+
+    if name not in GRAMMAR_BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"unknown grammar backend {name!r}; choose one of {', '.join(GRAMMAR_BACKENDS)}"
+        )
+    if name == "llguidance" and importlib.util.find_spec("llguidance") is None:
+        raise argparse.ArgumentTypeError("llguidance is not installed: pip install llguidance==1.9.1")
+    return name
 
 
 POLICY_META = "policy.json"  # what makes a directory a policy (`pask_jax.policy.PersistencePolicy.load`)

@@ -15,6 +15,7 @@ from pask_jax.arguments import (
     budget_list,
     budget_value,
     float_in,
+    grammar_backend,
     input_file,
     int_at_least,
     level_list,
@@ -125,6 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             mesh=mesh,
             scheduler=args.scheduler,
             max_prefill_rows=args.prefill_rows,
+            grammar_backend=args.grammar_backend,
             **options,
         )
 
@@ -273,6 +275,12 @@ def main(argv: list[str] | None = None) -> None:
         help="weights, activations and KV cache (auto: bfloat16 on TPU / GPU, float32 on CPU)",
     )
     p.add_argument("--mesh", help="DATAxMODEL mesh of this process's devices, e.g. 8x1 or 4x2 (default: one device)")
+    p.add_argument(
+        "--grammar-backend",
+        type=grammar_backend,
+        default="outlines",
+        help="outlines: our schema translation + outlines-core; llguidance: llguidance's JSON Schema compiler",
+    )
     p.set_defaults(func=cmd_run, check=_check_run)
     p = sub.add_parser("compare", help="print the answers of several `run` outputs side by side")
     p.add_argument("input", help="the input JSONL the outputs answer")

@@ -18,6 +18,9 @@ CPU; a given model instance keeps its own unless one is named). `mesh`: a (`data
 (`pask_jax.models.sharding.make_mesh`); the weights load straight onto it.
 `policy`: "auto" (PASK only) finds the shipped policy that fits the model by fingerprint; a directory loads that
 policy (refused if it fits another model); None runs PASK uncalibrated (recency with sinks).
+`grammar_backend`: "outlines" (ours: the schema translation of `pask_jax.structure.schema` and outlines-core) or
+"llguidance" (`pask_jax.structure.guidance`: llguidance's JSON Schema compiler; `pip install llguidance==1.9.1`);
+PASK's roles and its release of unchosen tools are the same under both.
 Sampling: `seed` applies per batch (requests with different seeds never share one); `stop` strings cut the
 returned text (the row still decodes to its end or its token limit).
 """
@@ -42,10 +45,11 @@ from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.sharding import check_mesh
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
-from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError, parse_request
+from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError
 from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
-from pask_jax.structure import FreeTextConstraint, GrammarConstraint
+from pask_jax.structure import FreeTextConstraint, GrammarConstraint, TokenConstraint
 from pask_jax.structure.call_parser import parse_text_calls, split_grammar_calls
+from pask_jax.structure.guidance import GuidanceConstraint, GuidanceGrammar
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 DEFAULT_MAX_CONTEXT = 32768
@@ -75,6 +79,7 @@ class LLM:
         scheduler: str = "continuous",
         overlap_grammar: bool | None = None,
         max_prefill_rows: int | None = None,
+        grammar_backend: str = "outlines",
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
@@ -105,7 +110,9 @@ class LLM:
         self.policy = resolve_policy(policy, self.fingerprint) if method == "pask" else None
         if self.policy is not None:
             self.policy.table(self.budget)  # refuse a budget the policy does not answer before loading weights
-        self.builder = RequestBuilder(tokenizer, chat_template, max_context=max_context)
+        self.builder = RequestBuilder(
+            tokenizer, chat_template, max_context=max_context, grammar_backend=grammar_backend
+        )
         self.max_batch, self.kv_memory_bytes = max_batch, kv_memory_bytes
         self.scheduler, self.overlap_grammar, self.max_prefill_rows = scheduler, overlap_grammar, max_prefill_rows
         self._engine_options = dict(num_groups=num_groups, use_kernel=use_kernel, overrides=method_overrides)
@@ -145,7 +152,7 @@ class LLM:
 
     def prepare(self, body: dict) -> PreparedRequest:
         """Validate, render, tokenize and compile one request body (RequestError / GrammarError if it cannot run)."""
-        return self.builder.prepare(parse_request(body))
+        return self.builder.prepare(self.builder.parse(body))
 
     def chat(self, requests: dict | Sequence[dict]) -> list[dict]:
         """Chat-completions bodies -> `chat.completion` objects, in order. A bad request raises, naming its index."""
@@ -257,9 +264,11 @@ class LLM:
         sequences = [SequenceRequest(p.ids, p.request.max_tokens) for p in batch]
         return rows_for_memory(self.engine, row_shape(self.engine, sequences, 1), self.kv_memory_bytes, self.max_batch)
 
-    def _constraint(self, batch: Sequence[PreparedRequest]) -> GrammarConstraint | FreeTextConstraint:
-        """The constraint of requests that are all grammar-constrained or all free."""
+    def _constraint(self, batch: Sequence[PreparedRequest]) -> TokenConstraint:
+        """The constraint of requests that are all grammar-constrained (by one backend) or all free."""
         vocab = self.engine.cfg.vocab_size
+        if isinstance(batch[0].grammar, GuidanceGrammar):
+            return GuidanceConstraint([p.grammar for p in batch], vocab)
         if batch[0].grammar is not None:
             return GrammarConstraint([p.grammar for p in batch], vocab)
         return FreeTextConstraint(len(batch), vocab, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)

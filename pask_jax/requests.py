@@ -20,9 +20,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from pask_jax.arguments import GRAMMAR_BACKENDS
 from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.structure import CompiledGrammar, compile_grammar, compile_json_grammar, parse_tools
+from pask_jax.structure.guidance import GuidanceGrammar, compile_guidance_grammar, compile_guidance_json_grammar
 from pask_jax.structure.prompt_roles import TokenLabels, token_labels
 
 DEFAULT_MAX_TOKENS = 256
@@ -157,8 +159,11 @@ def _response_format(raw: Any) -> tuple[bool, dict | None]:
     raise RequestError(f"response_format must be text, json_object or json_schema, got {raw!r}")
 
 
-def parse_request(body: Any, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ChatRequest:
-    """Validate an OpenAI chat-completions body -> ChatRequest (RequestError naming the problem)."""
+def parse_request(
+    body: Any, *, default_max_tokens: int = DEFAULT_MAX_TOKENS, check_schemas: bool = True
+) -> ChatRequest:
+    """Validate an OpenAI chat-completions body -> ChatRequest (RequestError naming the problem). `check_schemas`:
+    refuse tool schemas our grammar cannot enforce now (False: the llguidance backend judges them when it compiles)."""
     if not isinstance(body, dict):
         raise RequestError(f"a request body must be a JSON object, got {type(body).__name__}")
     for key, honoured in REFUSED_FIELDS.items():
@@ -168,7 +173,7 @@ def parse_request(body: Any, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) ->
     if unknown:
         warnings.warn(f"ignoring unknown request field(s): {', '.join(unknown)}", stacklevel=2)
     try:
-        tools = tuple(parse_tools(body.get("tools") or []))
+        tools = tuple(parse_tools(body.get("tools") or [], check_schemas=check_schemas))
     except ValueError as e:
         raise RequestError(f"tools: {e}") from None
     tool_choice, forced = _tool_choice(body.get("tool_choice"), tools)
@@ -206,12 +211,17 @@ class PreparedRequest:
     text: str  # the rendered prompt, ending with the assistant turn's header
     ids: list[int]
     roles: list[int]  # one role id per prompt token
-    grammar: CompiledGrammar | None  # None: free text
+    grammar: CompiledGrammar | GuidanceGrammar | None  # None: free text
     tools: list[int] | None = None  # per prompt token, the grammar's tool it describes (None: no tool is described)
 
     @classmethod
     def labelled(
-        cls, request: ChatRequest, text: str, ids: list[int], labels: TokenLabels, grammar: CompiledGrammar | None
+        cls,
+        request: ChatRequest,
+        text: str,
+        ids: list[int],
+        labels: TokenLabels,
+        grammar: CompiledGrammar | GuidanceGrammar | None,
     ) -> PreparedRequest:
         """From the prompt's token labels: tools numbered as the grammar's callable functions."""
         names = grammar.function_names if grammar is not None else ()
@@ -222,13 +232,30 @@ class PreparedRequest:
 class RequestBuilder:
     """Renders, tokenizes, labels and compiles requests for one tokenizer and chat template.
 
-    `max_context`: prompt + max_tokens must fit (RequestError otherwise, before any device work).
+    `max_context`: prompt + max_tokens must fit (RequestError otherwise, before any device work). `grammar_backend`:
+    ``"outlines"`` (our schema translation and outlines-core) or ``"llguidance"`` (`structure.guidance`).
     """
 
-    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None, *, max_context: int | None = None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template: ChatTemplate | None,
+        *,
+        max_context: int | None = None,
+        grammar_backend: str = "outlines",
+    ):
+        if grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"unknown grammar_backend {grammar_backend!r}; choose one of {', '.join(GRAMMAR_BACKENDS)}"
+            )
         self.tokenizer = tokenizer
         self.template = template
         self.max_context = max_context
+        self.grammar_backend = grammar_backend
+
+    def parse(self, body: Any) -> ChatRequest:
+        """`parse_request`, its tool schemas judged by this builder's grammar backend."""
+        return parse_request(body, check_schemas=self.grammar_backend == "outlines")
 
     def check_length(self, ids: Sequence[int], max_tokens: int) -> None:
         if self.max_context is not None and len(ids) + max_tokens > self.max_context:
@@ -237,13 +264,16 @@ class RequestBuilder:
                 f"{self.max_context} tokens"
             )
 
-    def grammar(self, request: ChatRequest) -> CompiledGrammar | None:
+    def grammar(self, request: ChatRequest) -> CompiledGrammar | GuidanceGrammar | None:
+        guidance = self.grammar_backend == "llguidance"
         if request.response_json:
-            return compile_json_grammar(request.response_schema, self.tokenizer)
+            compile_json = compile_guidance_json_grammar if guidance else compile_json_grammar
+            return compile_json(request.response_schema, self.tokenizer)
         if not request.tools or request.tool_choice == "none":
             return None
         tools = [t for t in request.tools if request.forced_tool in (None, t["name"])]
-        return compile_grammar(
+        compile_calls = compile_guidance_grammar if guidance else compile_grammar
+        return compile_calls(
             tools, self.tokenizer, tool_choice=request.tool_choice, parallel=request.parallel_tool_calls
         )
 

@@ -147,6 +147,7 @@ def test_run_refuses_bad_paths_and_settings_before_the_model(tmp_path: Path, req
         "argument --prefill-rows": [*run, "--prefill-rows", "-1"],
         "argument --kv-memory-mb": [*run, "--kv-memory-mb", "0"],
         "--method-config": [*run, "--method-config", str(tmp_path / "missing.toml")],
+        "argument --grammar-backend: unknown grammar backend 'xgrammar'": [*run, "--grammar-backend", "xgrammar"],
     }
     for named, argv in cases.items():
         assert named in usage_error(argv, capsys), argv

@@ -11,6 +11,8 @@
   role tables), cached.
 - ``constraint``: ``TokenConstraint`` (what the engine asks), ``GrammarConstraint`` (packed masks in, roles out) and
   ``FreeTextConstraint`` (any text until EOS, with FREE_TEXT roles).
+- ``guidance``: the llguidance backend (``grammar_backend="llguidance"``): the same turns and roles, llguidance's
+  JSON Schema compiler (``GuidanceGrammar``, ``GuidanceConstraint``); llguidance is imported only when used.
 - ``prompt_roles``: the role of every prompt token.
 - ``call_parser``: calls an ``"auto"`` text answer writes (``<tool_call>`` blocks, ```json fences, bare JSON) ->
   OpenAI tool calls when they name a tool and validate against its schema (``parse_text_calls``); no JAX.

@@ -36,12 +36,25 @@ class TokenConstraint(Protocol):
         ...
 
 
-def _bits(tokens: Sequence[int], words: int) -> np.ndarray:
+def packed_bits(tokens: Sequence[int], words: int) -> np.ndarray:
     """i32[words]: the packed mask allowing exactly ``tokens``."""
     row = np.zeros(words, np.uint32)
     for token in tokens:
         row[token >> 5] |= np.uint32(1 << (token & 31))
     return row.view(np.int32)
+
+
+def called_tool(seen: bytearray, raw: bytes, function_names: Sequence[str]) -> int:
+    """Feed a token's bytes to the current call's bytes ``seen`` -> the index of the function it calls once its name
+    is complete (``seen`` is then cleared), else NO_TOOL."""
+    if not function_names:
+        return NO_TOOL
+    seen += raw
+    if (match := _CALLED_NAME.search(seen)) is None:
+        return NO_TOOL
+    name = match.group(1).decode("utf-8", "replace")  # before the clear: the match reads the buffer itself
+    seen.clear()
+    return function_names.index(name) if name in function_names else NO_TOOL
 
 
 class GrammarConstraint:
@@ -78,11 +91,11 @@ class GrammarConstraint:
         self.mask_s = 0.0
         self.advance_s = 0.0
         self.steps = 0
-        self._stop_rows = [_bits(g.vocab.stop_ids, self.words) for g in self.grammars]
+        self._stop_rows = [packed_bits(g.vocab.stop_ids, self.words) for g in self.grammars]
         # between calls (only where <tool_call> is atomic): another call or the end
         # (a tokenizer without <tool_call> special tokens has no call_open_id: its rows never stand between calls)
         self._between_rows = [
-            _bits([i for i in (g.vocab.end_of_turn_id, g.vocab.call_open_id) if i is not None], self.words)
+            packed_bits([i for i in (g.vocab.end_of_turn_id, g.vocab.call_open_id) if i is not None], self.words)
             for g in self.grammars
         ]
 
@@ -129,7 +142,8 @@ class GrammarConstraint:
             if step.role == Role.FREE_TEXT and raw:  # a text answer: a call written in it takes the call's roles
                 self._prose[i], roles[i], _ = lex_token(self._prose[i], raw)
             self.states[i], self.finished[i], self.between_calls[i] = step.state, step.ended, step.between_calls
-            self._read_called(i, grammar, token)
+            if self.called[i] == NO_TOOL:
+                self.called[i] = called_tool(self._call_bytes[i], raw, grammar.function_names)
             if step.between_calls:
                 self.called[i] = NO_TOOL
                 self._call_bytes[i].clear()
@@ -139,17 +153,6 @@ class GrammarConstraint:
         self.advance_s += time.perf_counter() - start
         self.steps += 1
         return roles
-
-    def _read_called(self, row: int, grammar: CompiledGrammar, token: int) -> None:
-        if self.called[row] != NO_TOOL or not grammar.function_names:
-            return
-        seen = self._call_bytes[row]
-        seen += grammar.vocab.token_bytes[token]
-        if (match := _CALLED_NAME.search(seen)) is not None:
-            name = match.group(1).decode("utf-8", "replace")
-            if name in grammar.function_names:
-                self.called[row] = grammar.function_names.index(name)
-            seen.clear()
 
     def called_tools(self) -> np.ndarray:
         return self.called.copy()
@@ -179,8 +182,8 @@ class FreeTextConstraint:
             raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {tokenizer_size} token ids")
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         words = -(-vocab_size // 32)
-        self._open = _bits(range(tokenizer_size), words)
-        self._stop = _bits(sorted(self.stop_ids), words)
+        self._open = packed_bits(range(tokenizer_size), words)
+        self._stop = packed_bits(sorted(self.stop_ids), words)
         self.finished = np.zeros(batch, bool)
 
     def mask(self) -> np.ndarray:

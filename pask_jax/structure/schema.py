@@ -493,14 +493,14 @@ def call_schema(function: dict) -> dict:
 # Tool lists
 
 
-def parse_tools(tools: Sequence[dict]) -> list[dict]:
+def parse_tools(tools: Sequence[dict], *, check_schemas: bool = True) -> list[dict]:
     """An OpenAI ``tools`` list -> function dicts ``{"name", "description", "parameters"}`` (copies).
 
     Each tool is ``{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}`` or, for
     convenience, the bare function dict. Absent parameters mean none (``{"type": "object", "properties": {}}``);
     ``strict`` is accepted and changes nothing (the grammar always enforces the schema, as ``SCHEMA_KEYWORDS``
     says). Raises GrammarError naming the tool (its index and name) for a malformed tool, a duplicate name, or a
-    schema keyword the grammar refuses."""
+    schema keyword the grammar refuses (``check_schemas=False``: left to another grammar backend's compiler)."""
     if isinstance(tools, str | bytes | dict) or not isinstance(tools, Sequence):
         raise GrammarError(f"tools must be a list of tools, got {type(tools).__name__}")
     functions: list[dict] = []
@@ -539,6 +539,7 @@ def parse_tools(tools: Sequence[dict]) -> list[dict]:
                 f"got {str(parameters)[:80]!r}{hint}"
             )
         parsed = {"name": name, "description": description, "parameters": copy.deepcopy(parameters)}
-        call_schema(parsed)  # refuses what the grammar cannot enforce now, before any compile
+        if check_schemas:
+            call_schema(parsed)  # refuses what the grammar cannot enforce now, before any compile
         functions.append(parsed)
     return functions

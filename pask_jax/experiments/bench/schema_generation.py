@@ -1,7 +1,7 @@
-"""Greedy generation under our grammar on suite schemas: do a small model's constrained outputs validate?
+"""Greedy generation under a grammar backend on suite schemas: do a small model's constrained outputs validate?
 
     pask-jax bench schemas --generate smollm2-135m [--sample 24] [--max-tokens 256]
-                           [--out results/bench_schemas_generation.json]
+                           [--grammar-backends outlines,llguidance] [--out results/bench_schemas_generation.json]
 
 For a fixed sample of MaskBench's tool-definition schemas (``schema_masks.sample_cases``: the same hash order as the
 mask bench; schemas whose JSON text is longer than ``MAX_SCHEMA_CHARS`` are left out, to keep prompts short), one
@@ -10,7 +10,8 @@ in the user message (``PROMPT``), ``response_format`` ``json_schema`` with that 
 counted as **valid** (parses, and ``jsonschema`` with format checks finds it valid), **invalid** (parses, fails the
 schema: a keyword the grammar loosens, or a defect), **unparsable** (not one JSON value: only possible when the token
 limit cut it), or **refused** (the grammar refuses the schema: ``GrammarError`` when preparing); **hit the limit**
-counts the answers with ``finish_reason`` ``length``.
+counts the answers with ``finish_reason`` ``length``. Each grammar backend (``LLM(grammar_backend=...)``) answers the
+same requests in turn, one ``LLM`` each.
 """
 
 from __future__ import annotations
@@ -57,11 +58,13 @@ def judge_output(schema: Any, text: str | None) -> dict:
     return {"kind": "invalid", "keywords": failing_keywords(schema, data)}
 
 
-def run_generation(cases: list[Case], model: str, max_tokens: int, max_batch: int = 8) -> dict:
+def run_generation(
+    cases: list[Case], model: str, max_tokens: int, grammar_backend: str = "outlines", max_batch: int = 8
+) -> dict:
     from pask_jax.llm import LLM
     from pask_jax.structure.schema import GrammarError
 
-    llm = LLM(model, method="full", max_batch=max_batch)
+    llm = LLM(model, method="full", max_batch=max_batch, grammar_backend=grammar_backend)
     rows: list[dict] = [{"suite": c.suite, "id": c.id} for c in cases]
     prepared, where = [], []
     for i, case in enumerate(cases):
@@ -89,8 +92,7 @@ def run_generation(cases: list[Case], model: str, max_tokens: int, max_batch: in
     wall = time.perf_counter() - start
     kinds = ("valid", "invalid", "unparsable", "refused", "error")
     return {
-        "model": model,
-        "max_tokens": max_tokens,
+        "grammar_backend": grammar_backend,
         "prompt": PROMPT,
         "generate_s": round(wall, 1),
         "summary": {

@@ -3,7 +3,7 @@
     pask-jax bench schemas [--suites tests/data/schema_suites] [--engines pask,xgrammar,llguidance]
                            [--timeout 120] [--out results/bench_schemas.json]
     pask-jax bench schemas --tokenizer qwen2.5-coder-0.5b [--sample 40] [--out results/bench_schemas_masks.json]
-    pask-jax bench schemas --generate smollm2-135m [--sample 24] [--max-tokens 256]
+    pask-jax bench schemas --generate smollm2-135m [--sample 24] [--max-tokens 256] [--grammar-backends B1,B2]
                            [--out results/bench_schemas_generation.json]
 
 The second form measures per-token mask time and token-set agreement over a real tokenizer (``schema_masks``), the
@@ -58,6 +58,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from pask_jax.arguments import grammar_backend
 from pask_jax.experiments.bench.schema_generation import generation_cases, run_generation
 from pask_jax.experiments.bench.schema_masks import MASK_ENGINES, TOOL_SUBSETS, run_masks, sample_cases
 from pask_jax.experiments.bench.schema_suites import (
@@ -372,18 +373,22 @@ def run_generation_mode(args: argparse.Namespace) -> dict:
     cases, sources = load_suites(args.suites)
     sample = generation_cases(cases, args.sample or 24)
     start = time.perf_counter()
-    measured = run_generation(sample, args.generate, args.max_tokens)
+    backends = args.grammar_backends.split(",")
+    runs = {backend: run_generation(sample, args.generate, args.max_tokens, backend) for backend in backends}
+    engines = {"outlines": f"pask (outlines-core {version('outlines-core')})", "llguidance": "llguidance"}
     result = {
         "benchmark": "schemas-generation",
-        "engine": f"pask (outlines-core {version('outlines-core')})",
+        "engines": {b: engines[b] + ("" if b == "outlines" else f" {version('llguidance')}") for b in backends},
+        "model": args.generate,
+        "max_tokens": args.max_tokens,
         "sources": sources,
         "sample": {"subsets": list(TOOL_SUBSETS), "size": len(sample), "order": "sha256 of suite/id"},
         "machine": _machine(),
         "commit": _commit(),
         "wall_s": round(time.perf_counter() - start, 1),
-        **measured,
+        "backends": runs,
     }
-    print(json.dumps(result["summary"]))
+    print(json.dumps({b: r["summary"] for b, r in runs.items()}))
     _write(result, args.out)
     return result
 
@@ -441,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generate", metavar="MODEL", help="generation mode: greedy constrained outputs of this model")
     p.add_argument("--sample", type=int, help="mask / generation mode: how many schemas (default 40 / 24)")
     p.add_argument("--max-tokens", type=int, default=256, help="generation mode: tokens per answer")
+    p.add_argument(
+        "--grammar-backends",
+        default="outlines",
+        help="generation mode: comma-separated grammar backends (outlines, llguidance), side by side",
+    )
     return p
 
 
@@ -453,6 +463,11 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
     if args.tokenizer and args.generate:
         parser.error("--tokenizer (mask mode) and --generate (generation mode) are separate runs: choose one")
+    for backend in args.grammar_backends.split(","):
+        try:
+            grammar_backend(backend)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--grammar-backends: {exc}")
     if args.sample is not None and args.sample < 1:
         parser.error(f"--sample {args.sample}: must be at least 1")
     if args.max_tokens < 1:

@@ -1,0 +1,263 @@
+"""The llguidance grammar backend: the same turns as ``grammar.py``, with llguidance's JSON Schema compiler.
+
+``grammar_backend="llguidance"`` (optional: ``pip install llguidance==1.9.1``) compiles a request's tools or response
+schema with llguidance instead of our schema-to-regex translation and outlines-core: wider JSON Schema coverage and
+millisecond compiles (docs/results/schemas.md measures both engines). The turn is written as a Lark grammar whose
+calls are ``%json`` schemas, one per tool, in the forms ``regex.py`` defines:
+
+- ``tool_calls``: ``<tool_call>\\n{call}\\n</tool_call>`` blocks, parallel ones separated by ``\\n`` (a ``\\n`` may end
+  the last), then the end of turn;
+- ``auto``: those, a bare call, a call in a json fence, or a text answer that does not open with ``{`` or a
+  backtick (``regex.FREE_TEXT``: the same steering rule);
+- ``json``: one JSON value of the response schema (any object for ``json_object``).
+
+Whitespace between JSON tokens is ours (``[ ]?``) and object keys come in the schema's order, so both backends
+admit the same outputs wherever both compile a schema. PASK's roles do not depend on the backend: each token's bytes
+go through the byte-level lexer (``lexer.py``) that our grammar's role tables are built from, and the called tool
+is read from the call's bytes, so a request gets the same roles, and the same schema-conditioned release, from
+either backend. Only ``tool_call`` framing with ``<tool_call>`` special tokens is supported here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+
+from pask_jax.models.tokenizer import Tokenizer
+from pask_jax.structure.constraint import called_tool, packed_bits
+from pask_jax.structure.lexer import LEX_AUTO, LEX_CALLS, LEX_JSON, LEX_PROSE, LexState, lex_token
+from pask_jax.structure.regex import TIGHT_WHITESPACE, check_choice
+from pask_jax.structure.roles import NO_TOOL, Role
+from pask_jax.structure.schema import GrammarError
+from pask_jax.structure.vocabulary import CALL_CLOSE, GrammarVocabulary, grammar_vocabulary
+
+INSTALL_HINT = "grammar_backend 'llguidance' needs the llguidance package: pip install llguidance==1.9.1"
+# regex.FREE_TEXT without the marker bytes, which llguidance's special tokens never match as text
+_TEXT = r"/[ \t\r\n]*[^{` \t\r\n][\s\S]*/"
+_START_LEXEMES = {"tool_calls": LEX_CALLS, "auto": LEX_AUTO, "json": LEX_JSON}
+
+
+@dataclasses.dataclass(eq=False)
+class GuidanceGrammar:
+    """One turn as an llguidance grammar; ``kind``, ``function_names`` and ``vocab`` as in ``CompiledGrammar``."""
+
+    grammar: str  # the serialized llguidance grammar (Lark)
+    kind: str
+    function_names: tuple[str, ...]
+    parallel: bool
+    vocab: GrammarVocabulary  # token bytes with the framing markers, for the lexer's roles
+    tokenizer: object  # llguidance.LLTokenizer
+    compile_s: float
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy
+    except ImportError:
+        raise GrammarError(INSTALL_HINT) from None
+    return llguidance
+
+
+class _Wrapped:
+    """A tokenizer as llguidance's ``TokenizerWrapper`` wants one: each id's bytes, special ids marked as such."""
+
+    def __init__(self, tokenizer: Tokenizer, end_id: int):
+        special = set(tokenizer.special_tokens.values())
+        self.tokenizer = tokenizer
+        self.tokens = [
+            f"<special {i}>".encode() if i in special or not raw else raw
+            for i, raw in enumerate(tokenizer.all_token_bytes())
+        ]
+        self.special_token_ids = sorted(special)
+        self.eos_token_id = end_id
+        self.bos_token_id = None
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self.tokenizer.encode(text.decode("utf-8", errors="replace"))
+
+
+_TOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, object] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def _lltokenizer(tokenizer: Tokenizer, vocab: GrammarVocabulary):
+    """llguidance's tokenizer for ``tokenizer``, ending turns with its end-of-turn id (cached per tokenizer)."""
+    llg = _llguidance()
+    with _LOCK:
+        if tokenizer not in _TOKENIZERS:
+            wrapped = _Wrapped(tokenizer, vocab.end_of_turn_id)
+            _TOKENIZERS[tokenizer] = llg.LLTokenizer(llg.TokenizerWrapper(wrapped))
+        return _TOKENIZERS[tokenizer]
+
+
+def _schema_rule(schema: dict, whitespace: str) -> str:
+    """``%json`` of ``schema`` with our whitespace between its tokens."""
+    schema = copy.deepcopy(schema)
+    schema["x-guidance"] = {"whitespace_pattern": whitespace, "whitespace_flexible": False}
+    return f"%json {json.dumps(schema)}"
+
+
+def _call_schema(function: dict) -> dict:
+    """``{"name": <the name>, "arguments": <its parameters>}``, the parameters' definitions kept at the root."""
+    parameters = copy.deepcopy(function["parameters"])
+    root = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
+    return root | {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _check(llg, tokenizer, grammar: str, where: str) -> None:
+    """Refuse, naming what llguidance says, a grammar it cannot compile."""
+    error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        raise GrammarError(f"{where}: llguidance cannot compile the schema: {error.splitlines()[0]}")
+
+
+def compile_guidance_grammar(
+    functions: Sequence[dict],
+    tokenizer: Tokenizer,
+    *,
+    tool_choice: str = "required",
+    parallel: bool = True,
+    whitespace: str | None = None,
+) -> GuidanceGrammar:
+    """Function dicts (``parse_tools``) -> the llguidance grammar of a turn of calls (``"auto"``: or a text)."""
+    start = time.perf_counter()
+    vocab = grammar_vocabulary(tokenizer)
+    check_choice("tool_call", tool_choice, vocab)
+    if not vocab.atomic_calls:
+        raise GrammarError("grammar_backend 'llguidance' needs a tokenizer with <tool_call> special tokens")
+    llg = _llguidance()
+    lltok = _lltokenizer(tokenizer, vocab)
+    ws = TIGHT_WHITESPACE if whitespace is None else whitespace
+    special = tokenizer.special_tokens
+    rules = [f"call_{i}: {_schema_rule(_call_schema(f), ws)}" for i, f in enumerate(functions)]
+    for i, (function, rule) in enumerate(zip(functions, rules, strict=True)):
+        _check(llg, lltok, f"start: call_{i}\n{rule}", f"tools[{i}] ({function['name']!r})")
+    block = f'<[{special["<tool_call>"]}]> "\\n" call "\\n" <[{special["</tool_call>"]}]>'
+    calls = 'block ("\\n" block)* "\\n"?' if parallel else 'block "\\n"?'
+    start_rule = {"required": calls, "auto": f'{calls} | call | "```json\\n" call "\\n```" | {_TEXT}'}[tool_choice]
+    grammar = "\n".join(
+        [f"start: {start_rule}", f"block: {block}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+        + rules
+    )
+    kind = "tool_calls" if tool_choice == "required" else "auto"
+    names = tuple(f["name"] for f in functions)
+    compile_s = time.perf_counter() - start
+    return GuidanceGrammar(grammar, kind, names, parallel, vocab, lltok, compile_s)
+
+
+def compile_guidance_json_grammar(
+    schema: dict | None, tokenizer: Tokenizer, *, whitespace: str | None = None
+) -> GuidanceGrammar:
+    """The llguidance grammar of a ``response_format`` turn: one JSON value of ``schema`` (None: any object)."""
+    start = time.perf_counter()
+    vocab = grammar_vocabulary(tokenizer)
+    llg = _llguidance()
+    lltok = _lltokenizer(tokenizer, vocab)
+    rule = _schema_rule({"type": "object"} if schema is None else schema, whitespace or TIGHT_WHITESPACE)
+    grammar = f"start: {rule}"
+    _check(llg, lltok, grammar, "response_format")
+    return GuidanceGrammar(grammar, "json", (), False, vocab, lltok, time.perf_counter() - start)
+
+
+class GuidanceConstraint:
+    """One llguidance matcher per sequence: packed token masks before each step, token roles after it.
+
+    A ``TokenConstraint``, as ``GrammarConstraint`` is for our grammars: finished rows are masked to the EOS ids and
+    take any further token; roles come from the lexer over each token's bytes (a text answer's bytes through the
+    prose lexer, so a call written there gets the call's roles); ``called_tools`` reads the called function's name
+    from the call's bytes, and forgets it after ``</tool_call>`` (the next call is not known yet).
+    """
+
+    def __init__(self, grammars: Sequence[GuidanceGrammar], vocab_size: int):
+        if not grammars:
+            raise ValueError("GuidanceConstraint needs one grammar per sequence, got none")
+        llg = _llguidance()
+        for g in grammars:
+            if vocab_size < g.vocab.size:
+                raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {g.vocab.size} token ids")
+        self.grammars = list(grammars)
+        self.words = -(-vocab_size // 32)
+        self.matchers = [llg.LLMatcher(g.tokenizer, g.grammar, log_level=0) for g in self.grammars]
+        self._fill = llg.numpy.fill_next_token_bitmask
+        self._bitmask = llg.numpy.allocate_token_bitmask(1, max(g.tokenizer.vocab_size for g in self.grammars))
+        self.finished = np.zeros(len(self.grammars), bool)
+        self.called = np.full(len(self.grammars), NO_TOOL, np.int32)
+        self._lex: list[LexState] = [_START_LEXEMES[g.kind] for g in self.grammars]
+        self._prose = [LEX_PROSE] * len(self.grammars)
+        self._call_bytes = [bytearray() for _ in self.grammars]
+        self._after_close = np.zeros(len(self.grammars), bool)
+        self._stop_rows = [packed_bits(g.vocab.stop_ids, self.words) for g in self.grammars]
+        self.mask_s = self.advance_s = 0.0
+        self.steps = 0
+
+    @property
+    def batch(self) -> int:
+        return len(self.matchers)
+
+    def mask(self) -> np.ndarray:
+        """i32[B, ceil(V/32)]: bit j of word w allows token 32w+j (llguidance packs its bitmask the same way)."""
+        start = time.perf_counter()
+        out = np.zeros((self.batch, self.words), np.int32)
+        for i, matcher in enumerate(self.matchers):
+            if self.finished[i]:
+                out[i] = self._stop_rows[i]
+                continue
+            self._fill(matcher, self._bitmask, 0)
+            words = min(self.words, self._bitmask.shape[1])
+            out[i, :words] = self._bitmask[0, :words]
+        self.mask_s += time.perf_counter() - start
+        return out
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed each row its sampled token -> i32[B] roles."""
+        start = time.perf_counter()
+        tokens = np.asarray(tokens).reshape(-1)
+        if tokens.shape[0] != self.batch:
+            raise ValueError(f"advance got {tokens.shape[0]} tokens for a batch of {self.batch}")
+        roles = np.empty(self.batch, np.int32)
+        for i, (grammar, matcher) in enumerate(zip(self.grammars, self.matchers, strict=True)):
+            token = int(tokens[i])
+            vocab = grammar.vocab
+            if self.finished[i]:
+                roles[i] = Role.END_OF_TURN if token in vocab.stop_ids else Role.FREE_TEXT
+                continue
+            if not matcher.consume_token(token):
+                raise ValueError(
+                    f"row {i}: token {token} is not allowed by the grammar ({matcher.get_error() or 'refused'}); was "
+                    "the mask applied to the logits?"
+                )
+            if token == vocab.end_of_turn_id:
+                roles[i], self.finished[i] = Role.END_OF_TURN, True
+                continue
+            raw = vocab.token_bytes[token]
+            if not raw:  # an id our vocabulary leaves out (it holds a marker byte): text, not structure
+                roles[i] = Role.FREE_TEXT
+                continue
+            self._lex[i], roles[i], _ = lex_token(self._lex[i], raw)
+            if roles[i] == Role.FREE_TEXT:  # a text answer: a call written in it takes the call's roles
+                self._prose[i], roles[i], _ = lex_token(self._prose[i], raw)
+            if self._after_close[i]:  # the separator after a call: the next call's name is not known yet
+                self.called[i] = NO_TOOL
+                self._call_bytes[i].clear()
+            self._after_close[i] = CALL_CLOSE in raw
+            if self.called[i] == NO_TOOL:
+                self.called[i] = called_tool(self._call_bytes[i], raw, grammar.function_names)
+        self.advance_s += time.perf_counter() - start
+        self.steps += 1
+        return roles
+
+    def called_tools(self) -> np.ndarray:
+        return self.called.copy()
