@@ -1285,6 +1285,46 @@ def schema_generation(root: Path, file: str = SCHEMA_GENERATION) -> str:
     return _block(claim, _table(head, rows))
 
 
+# ---- parallel calls on dev items ------------------------------------------------------------------------------------
+
+PARALLEL_DEV = "results/parallel_dev"
+PARALLEL_CATEGORIES = tuple(c for c in bfcl.CATEGORIES if "parallel" in c)
+PARALLEL_FRAMINGS = (  # (model, prompt, framing): the framings tried, in order
+    ("qwen2.5-coder-0.5b", "bfcl", "tool_call"),
+    ("qwen2.5-coder-0.5b", "bfcl_parallel", "tool_call"),
+    ("qwen2.5-coder-0.5b", "template", "tool_call"),
+    ("qwen2.5-coder-0.5b", "bfcl_parallel", "json_fence"),
+    ("qwen2.5-coder-1.5b", "bfcl_parallel", "tool_call"),
+    ("qwen2.5-coder-1.5b", "template", "tool_call"),
+)
+
+
+def _calls_written(text: str) -> int:
+    return max(text.count("<tool_call>"), text.count('{"name"'))
+
+
+def parallel_dev(root: Path) -> str:
+    """Full KV on the parallel categories' dev items under each prompt framing: correct items, items with two or
+    more calls."""
+    head = ["model", "prompt", "framing", *PARALLEL_CATEGORIES, "all", "answers with 2+ calls"]
+    rows, best = [], 0
+    for model, prompt, framing in PARALLEL_FRAMINGS:
+        suffix = "" if framing == "tool_call" else f"_{framing}"
+        result = load_json(root, f"{PARALLEL_DEV}/{model}_{prompt}{suffix}.json")
+        runs = {r["category"]: r for r in result["runs"] if r["method"] == "full"}
+        items = [i for c in PARALLEL_CATEGORIES for i in runs[c]["items"]]
+        correct = sum(runs[c]["correct"] for c in PARALLEL_CATEGORIES)
+        best = max(best, correct)
+        several = sum(_calls_written(i["text"]) >= 2 for i in items)
+        cells = [f"{runs[c]['correct']}/{runs[c]['n']}" for c in PARALLEL_CATEGORIES]
+        rows.append([model, prompt, framing, *cells, f"{correct}/{len(items)}", several])
+    claim = (
+        f"Full KV on the parallel categories' dev items: at most {best} correct under any of {len(rows)} prompt "
+        "framings and models."
+    )
+    return _block(claim, _table(head, rows))
+
+
 # ---- tool calls under auto ------------------------------------------------------------------------------------------
 
 AUTO_REQUESTS = "examples/auto_requests.jsonl"
@@ -1299,6 +1339,7 @@ TOOL_CALL_RUNS = (  # (method, tool_choice, grammar, file)
     ("full KV", "required", "", "results/auto/full_required.jsonl"),
     ("PASK, b = 0.33", "auto", "text only", "results/auto/before_steering/pask_auto.jsonl"),
     ("PASK, b = 0.33", "auto", "steered", "results/auto/pask_auto.jsonl"),
+    ("PASK, b = 0.33", "auto", "steered, llguidance backend", "results/auto/pask_auto_llguidance.jsonl"),
     ("PASK, b = 0.33", "required", "", "results/auto/pask_required.jsonl"),
     ("SnapKV, b = 0.33", "auto", "text only", "results/auto/before_steering/snapkv_auto.jsonl"),
     ("SnapKV, b = 0.33", "auto", "steered", "results/auto/snapkv_auto.jsonl"),
@@ -1398,6 +1439,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "schema_masks": schema_masks,
     "schema_generation": schema_generation,
     "tool_call_rates": tool_call_rates,
+    "parallel_dev": parallel_dev,
 }
 
 
