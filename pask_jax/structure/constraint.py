@@ -57,102 +57,85 @@ def called_tool(seen: bytearray, raw: bytes, function_names: Sequence[str]) -> i
     return function_names.index(name) if name in function_names else NO_TOOL
 
 
-class GrammarConstraint:
-    """One outlines-core Guide per sequence: packed token masks before each step, token roles after it.
+class RowConstraint:
+    """What the grammar constraints share: one grammar per row, finished rows masked to the EOS ids (any further
+    token taken without error: the engine keeps stepping finished rows; END_OF_TURN for an EOS id, else
+    FREE_TEXT), the called tool read from the call's bytes, host seconds in ``mask_s`` / ``advance_s`` over ``steps``.
+    A backend gives ``_row_mask`` (a live row's mask, written in place) and ``_row_advance`` (feed a live row's
+    token -> its role)."""
 
-    A ``TokenConstraint``. Rows may have different grammars. Each token goes through ``CompiledGrammar.step`` (the
-    same transition ``CompiledGrammar.walk`` follows), the Guide follows to write the next mask. Right after a
-    parallel-call separator a row may take ``<tool_call>`` (the restarted guide) or the end of turn (the model often
-    writes "\\n" before <|im_end|>). A row whose turn has ended is masked to the tokenizer's EOS ids and accepts any
-    further token without error (the engine keeps stepping finished rows); those tokens get END_OF_TURN (an EOS id)
-    or FREE_TEXT. ``mask_s`` / ``advance_s`` / ``steps`` count host seconds, for the parser time per step.
-    ``called_tools`` reads the function name of the call being written from its bytes (the index into the row's
-    ``function_names``), from the token that closes the name until the next call starts. A text answer under
-    ``tool_choice="auto"`` is lexed as prose (``LEX_PROSE``): a call the model writes there as text (a json fence,
-    bare JSON) gets the call's roles, not FREE_TEXT, and its function name is read as any call's.
-    """
-
-    def __init__(self, grammars: Sequence[CompiledGrammar], vocab_size: int):
+    def __init__(self, grammars: Sequence, vocab_size: int):
         if not grammars:
-            raise ValueError("GrammarConstraint needs one compiled grammar per sequence, got none")
+            raise ValueError(f"{type(self).__name__} needs one compiled grammar per sequence, got none")
         for g in grammars:
             if vocab_size < g.vocab.size:
                 raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {g.vocab.size} token ids")
         self.grammars = list(grammars)
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
-        self.guides = [Guide(g.index) for g in self.grammars]
-        self.states = [g.initial_state for g in self.grammars]
         self.finished = np.zeros(len(self.grammars), bool)
-        self.between_calls = np.zeros(len(self.grammars), bool)
         self.called = np.full(len(self.grammars), NO_TOOL, np.int32)
         self._call_bytes = [bytearray() for _ in self.grammars]  # the current call's bytes until its name is read
         self._prose = [LEX_PROSE] * len(self.grammars)  # a text answer's lexer state
+        self._stop_rows = [packed_bits(g.vocab.stop_ids, self.words) for g in self.grammars]
         self.mask_s = 0.0
         self.advance_s = 0.0
         self.steps = 0
-        self._stop_rows = [packed_bits(g.vocab.stop_ids, self.words) for g in self.grammars]
-        # between calls (only where <tool_call> is atomic): another call or the end
-        # (a tokenizer without <tool_call> special tokens has no call_open_id: its rows never stand between calls)
-        self._between_rows = [
-            packed_bits([i for i in (g.vocab.end_of_turn_id, g.vocab.call_open_id) if i is not None], self.words)
-            for g in self.grammars
-        ]
 
     @property
     def batch(self) -> int:
-        return len(self.guides)
+        return len(self.grammars)
+
+    def _row_mask(self, row: int, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _row_advance(self, row: int, token: int) -> int:
+        raise NotImplementedError
 
     def mask(self) -> np.ndarray:
-        """i32[B, ceil(V/32)]: bit j of word w allows token 32w+j (written by ``Guide.write_mask_into``)."""
+        """i32[B, ceil(V/32)]: bit j of word w allows token 32w+j."""
         start = time.perf_counter()
         out = np.zeros((self.batch, self.words), np.int32)
-        for i, (grammar, guide) in enumerate(zip(self.grammars, self.guides, strict=True)):
+        for i in range(self.batch):
             if self.finished[i]:
                 out[i] = self._stop_rows[i]
-            elif self.between_calls[i]:  # set only where call_open_id exists
-                out[i] = self._between_rows[i]
-            else:  # zero-fills and sets the words of the tokenizer's ids; the model's padding ids stay 0
-                guide.write_mask_into(out[i].ctypes.data, -(-grammar.vocab.size // 32), 4)
+            else:
+                self._row_mask(i, out[i])
         self.mask_s += time.perf_counter() - start
         return out
 
     def advance(self, tokens: np.ndarray) -> np.ndarray:
-        """Feed each row its sampled token: -> i32[B] roles (looked up by the (before, after) state transition)."""
+        """Feed each row its sampled token -> i32[B] roles (stored with the cache entries)."""
         start = time.perf_counter()
         tokens = np.asarray(tokens).reshape(-1)
         if tokens.shape[0] != self.batch:
             raise ValueError(f"advance got {tokens.shape[0]} tokens for a batch of {self.batch}")
         roles = np.empty(self.batch, np.int32)
-        for i, (grammar, guide) in enumerate(zip(self.grammars, self.guides, strict=True)):
+        for i, grammar in enumerate(self.grammars):
             token = int(tokens[i])
             if self.finished[i]:
                 roles[i] = Role.END_OF_TURN if token in grammar.vocab.stop_ids else Role.FREE_TEXT
-                continue
-            state = self.states[i]
-            step = grammar.step(state, bool(self.between_calls[i]), token)
-            if step is None:
-                raw = grammar.vocab.token_bytes[token] if 0 <= token < grammar.vocab.size else b"?"
-                raise ValueError(
-                    f"row {i}: token {token} ({raw!r}) is not allowed by the grammar in state {state} (after "
-                    f"{grammar.witnesses.get(state, b'?')[-60:]!r}); was the mask applied to the logits?"
-                )
-            roles[i] = step.role
-            raw = grammar.vocab.token_bytes[token]
-            if step.role == Role.FREE_TEXT and raw:  # a text answer: a call written in it takes the call's roles
-                self._prose[i], roles[i], _ = lex_token(self._prose[i], raw)
-            self.states[i], self.finished[i], self.between_calls[i] = step.state, step.ended, step.between_calls
-            if self.called[i] == NO_TOOL:
-                self.called[i] = called_tool(self._call_bytes[i], raw, grammar.function_names)
-            if step.between_calls:
-                self.called[i] = NO_TOOL
-                self._call_bytes[i].clear()
-                guide.reset()  # the separator after a parallel call: the next call starts afresh
-            elif not step.ended:
-                guide.advance(token, return_tokens=False)
+            else:
+                roles[i] = self._row_advance(i, token)
         self.advance_s += time.perf_counter() - start
         self.steps += 1
         return roles
+
+    def _prose_role(self, row: int, role: int, raw: bytes) -> int:
+        """A text answer's token (FREE_TEXT) through the prose lexer: a call written in the text takes its roles."""
+        if role != Role.FREE_TEXT or not raw:
+            return role
+        self._prose[row], role, _ = lex_token(self._prose[row], raw)
+        return role
+
+    def _read_called(self, row: int, raw: bytes) -> None:
+        if self.called[row] == NO_TOOL:
+            self.called[row] = called_tool(self._call_bytes[row], raw, self.grammars[row].function_names)
+
+    def _forget_called(self, row: int) -> None:
+        """A call ended: the next one's tool is not known yet."""
+        self.called[row] = NO_TOOL
+        self._call_bytes[row].clear()
 
     def called_tools(self) -> np.ndarray:
         return self.called.copy()
@@ -166,6 +149,58 @@ class GrammarConstraint:
             "advance_s": self.advance_s,
             "parser_s_per_step": (self.mask_s + self.advance_s) / steps,
         }
+
+
+class GrammarConstraint(RowConstraint):
+    """One outlines-core Guide per sequence: packed token masks before each step, token roles after it.
+
+    A ``TokenConstraint`` (a ``RowConstraint``). Rows may have different grammars. Each token goes through
+    ``CompiledGrammar.step`` (the same transition ``CompiledGrammar.walk`` follows), the Guide follows to write the
+    next mask. Right after a parallel-call separator a row may take ``<tool_call>`` (the restarted guide) or the end
+    of turn (the model often writes "\\n" before <|im_end|>). ``called_tools`` reads the function name of the call
+    being written from its bytes (the index into the row's ``function_names``), from the token that closes the name
+    until the next call starts. A text answer under ``tool_choice="auto"`` is lexed as prose (``LEX_PROSE``): a call
+    the model writes there as text (a json fence, bare JSON) gets the call's roles, not FREE_TEXT, and its function
+    name is read as any call's.
+    """
+
+    def __init__(self, grammars: Sequence[CompiledGrammar], vocab_size: int):
+        super().__init__(grammars, vocab_size)
+        self.guides = [Guide(g.index) for g in self.grammars]
+        self.states = [g.initial_state for g in self.grammars]
+        self.between_calls = np.zeros(len(self.grammars), bool)
+        # between calls (only where <tool_call> is atomic): another call or the end
+        # (a tokenizer without <tool_call> special tokens has no call_open_id: its rows never stand between calls)
+        self._between_rows = [
+            packed_bits([i for i in (g.vocab.end_of_turn_id, g.vocab.call_open_id) if i is not None], self.words)
+            for g in self.grammars
+        ]
+
+    def _row_mask(self, row: int, out: np.ndarray) -> None:
+        if self.between_calls[row]:  # set only where call_open_id exists
+            out[:] = self._between_rows[row]
+        else:  # zero-fills and sets the words of the tokenizer's ids; the model's padding ids stay 0
+            self.guides[row].write_mask_into(out.ctypes.data, -(-self.grammars[row].vocab.size // 32), 4)
+
+    def _row_advance(self, row: int, token: int) -> int:
+        grammar, state = self.grammars[row], self.states[row]
+        step = grammar.step(state, bool(self.between_calls[row]), token)
+        if step is None:
+            raw = grammar.vocab.token_bytes[token] if 0 <= token < grammar.vocab.size else b"?"
+            raise ValueError(
+                f"row {row}: token {token} ({raw!r}) is not allowed by the grammar in state {state} (after "
+                f"{grammar.witnesses.get(state, b'?')[-60:]!r}); was the mask applied to the logits?"
+            )
+        raw = grammar.vocab.token_bytes[token]
+        role = self._prose_role(row, step.role, raw)
+        self.states[row], self.finished[row], self.between_calls[row] = step.state, step.ended, step.between_calls
+        self._read_called(row, raw)
+        if step.between_calls:
+            self._forget_called(row)
+            self.guides[row].reset()  # the separator after a parallel call: the next call starts afresh
+        elif not step.ended:
+            self.guides[row].advance(token, return_tokens=False)
+        return role
 
 
 class FreeTextConstraint:

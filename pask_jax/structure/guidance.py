@@ -31,10 +31,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from pask_jax.models.tokenizer import Tokenizer
-from pask_jax.structure.constraint import called_tool, packed_bits
-from pask_jax.structure.lexer import LEX_AUTO, LEX_CALLS, LEX_JSON, LEX_PROSE, LexState, lex_token
+from pask_jax.structure.constraint import RowConstraint
+from pask_jax.structure.lexer import LEX_AUTO, LEX_CALLS, LEX_JSON, LexState, lex_token
 from pask_jax.structure.regex import TIGHT_WHITESPACE, check_choice
-from pask_jax.structure.roles import NO_TOOL, Role
+from pask_jax.structure.roles import Role
 from pask_jax.structure.schema import GrammarError
 from pask_jax.structure.vocabulary import CALL_CLOSE, GrammarVocabulary, grammar_vocabulary
 
@@ -172,92 +172,45 @@ def compile_guidance_json_grammar(
     return GuidanceGrammar(grammar, "json", (), False, vocab, lltok, time.perf_counter() - start)
 
 
-class GuidanceConstraint:
+class GuidanceConstraint(RowConstraint):
     """One llguidance matcher per sequence: packed token masks before each step, token roles after it.
 
-    A ``TokenConstraint``, as ``GrammarConstraint`` is for our grammars: finished rows are masked to the EOS ids and
-    take any further token; roles come from the lexer over each token's bytes (a text answer's bytes through the
-    prose lexer, so a call written there gets the call's roles); ``called_tools`` reads the called function's name
-    from the call's bytes, and forgets it after ``</tool_call>`` (the next call is not known yet).
+    A ``TokenConstraint`` (a ``RowConstraint``), as ``GrammarConstraint`` is for our grammars. Roles come from the
+    lexer over each token's bytes (a text answer's bytes through the prose lexer, so a call written there gets the
+    call's roles); the called tool is forgotten after ``</tool_call>`` (the next call is not known yet).
     """
 
     def __init__(self, grammars: Sequence[GuidanceGrammar], vocab_size: int):
-        if not grammars:
-            raise ValueError("GuidanceConstraint needs one grammar per sequence, got none")
         llg = _llguidance()
-        for g in grammars:
-            if vocab_size < g.vocab.size:
-                raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {g.vocab.size} token ids")
-        self.grammars = list(grammars)
-        self.words = -(-vocab_size // 32)
+        super().__init__(grammars, vocab_size)
         self.matchers = [llg.LLMatcher(g.tokenizer, g.grammar, log_level=0) for g in self.grammars]
         self._fill = llg.numpy.fill_next_token_bitmask
         self._bitmask = llg.numpy.allocate_token_bitmask(1, max(g.tokenizer.vocab_size for g in self.grammars))
-        self.finished = np.zeros(len(self.grammars), bool)
-        self.called = np.full(len(self.grammars), NO_TOOL, np.int32)
         self._lex: list[LexState] = [_START_LEXEMES[g.kind] for g in self.grammars]
-        self._prose = [LEX_PROSE] * len(self.grammars)
-        self._call_bytes = [bytearray() for _ in self.grammars]
         self._after_close = np.zeros(len(self.grammars), bool)
-        self._stop_rows = [packed_bits(g.vocab.stop_ids, self.words) for g in self.grammars]
-        self.mask_s = self.advance_s = 0.0
-        self.steps = 0
 
-    @property
-    def batch(self) -> int:
-        return len(self.matchers)
+    def _row_mask(self, row: int, out: np.ndarray) -> None:
+        self._fill(self.matchers[row], self._bitmask, 0)  # llguidance packs its bitmask as we do
+        words = min(self.words, self._bitmask.shape[1])
+        out[:words] = self._bitmask[0, :words]
 
-    def mask(self) -> np.ndarray:
-        """i32[B, ceil(V/32)]: bit j of word w allows token 32w+j (llguidance packs its bitmask the same way)."""
-        start = time.perf_counter()
-        out = np.zeros((self.batch, self.words), np.int32)
-        for i, matcher in enumerate(self.matchers):
-            if self.finished[i]:
-                out[i] = self._stop_rows[i]
-                continue
-            self._fill(matcher, self._bitmask, 0)
-            words = min(self.words, self._bitmask.shape[1])
-            out[i, :words] = self._bitmask[0, :words]
-        self.mask_s += time.perf_counter() - start
-        return out
-
-    def advance(self, tokens: np.ndarray) -> np.ndarray:
-        """Feed each row its sampled token -> i32[B] roles."""
-        start = time.perf_counter()
-        tokens = np.asarray(tokens).reshape(-1)
-        if tokens.shape[0] != self.batch:
-            raise ValueError(f"advance got {tokens.shape[0]} tokens for a batch of {self.batch}")
-        roles = np.empty(self.batch, np.int32)
-        for i, (grammar, matcher) in enumerate(zip(self.grammars, self.matchers, strict=True)):
-            token = int(tokens[i])
-            vocab = grammar.vocab
-            if self.finished[i]:
-                roles[i] = Role.END_OF_TURN if token in vocab.stop_ids else Role.FREE_TEXT
-                continue
-            if not matcher.consume_token(token):
-                raise ValueError(
-                    f"row {i}: token {token} is not allowed by the grammar ({matcher.get_error() or 'refused'}); was "
-                    "the mask applied to the logits?"
-                )
-            if token == vocab.end_of_turn_id:
-                roles[i], self.finished[i] = Role.END_OF_TURN, True
-                continue
-            raw = vocab.token_bytes[token]
-            if not raw:  # an id our vocabulary leaves out (it holds a marker byte): text, not structure
-                roles[i] = Role.FREE_TEXT
-                continue
-            self._lex[i], roles[i], _ = lex_token(self._lex[i], raw)
-            if roles[i] == Role.FREE_TEXT:  # a text answer: a call written in it takes the call's roles
-                self._prose[i], roles[i], _ = lex_token(self._prose[i], raw)
-            if self._after_close[i]:  # the separator after a call: the next call's name is not known yet
-                self.called[i] = NO_TOOL
-                self._call_bytes[i].clear()
-            self._after_close[i] = CALL_CLOSE in raw
-            if self.called[i] == NO_TOOL:
-                self.called[i] = called_tool(self._call_bytes[i], raw, grammar.function_names)
-        self.advance_s += time.perf_counter() - start
-        self.steps += 1
-        return roles
-
-    def called_tools(self) -> np.ndarray:
-        return self.called.copy()
+    def _row_advance(self, row: int, token: int) -> int:
+        matcher, vocab = self.matchers[row], self.grammars[row].vocab
+        if not matcher.consume_token(token):
+            raise ValueError(
+                f"row {row}: token {token} is not allowed by the grammar ({matcher.get_error() or 'refused'}); was "
+                "the mask applied to the logits?"
+            )
+        if token == vocab.end_of_turn_id:
+            self.finished[row] = True
+            return Role.END_OF_TURN
+        raw = vocab.token_bytes[token]
+        if not raw:  # an id our vocabulary leaves out (it holds a marker byte): text, not structure
+            return Role.FREE_TEXT
+        self._lex[row], role, _ = lex_token(self._lex[row], raw)
+        role = self._prose_role(row, role, raw)
+        if self._after_close[row]:  # the separator after a call
+            self._forget_called(row)
+        self._after_close[row] = CALL_CLOSE in raw
+        self._read_called(row, raw)
+        return role
