@@ -52,6 +52,7 @@ class GrammarError(ValueError):
 
 
 ENFORCED, LOOSENED, REFUSED = "enforced", "loosened", "refused"
+GUIDANCE_HINT = "grammar_backend 'llguidance' enforces more keywords"  # the other backend, said where ours refuses
 MAX_REF_DEPTH = 3  # how many times one recursive $ref is unrolled
 ENFORCED_FORMATS = ("date", "date-time", "uuid")
 _ANNOTATION = (LOOSENED, "an annotation: nothing to enforce")
@@ -186,7 +187,7 @@ class _Rewriter:
             if status is None:
                 raise self.error(path, f"unknown keyword {key!r}; the supported ones are in schema.SCHEMA_KEYWORDS")
             if status[0] == REFUSED:
-                raise self.error(path, f"keyword {key!r} is refused: {status[1]}")
+                raise self.error(path, f"keyword {key!r} is refused: {status[1]} ({GUIDANCE_HINT})")
         if any(k in schema for k in NUMERIC_BOUNDS):
             low, high = read_bounds(schema, lambda message: self.error(path, message))
             unbounded = {k: v for k, v in schema.items() if k not in NUMERIC_BOUNDS}
