@@ -480,6 +480,7 @@ def dev_compiler(root: Path) -> str:
 DEV_TUNING = "results/dev_tuning/dev_b033.json"
 SCHEMA_EVAL = "results/bfcl_schema_eval.json"
 SCHEMA_EVAL_1_5B = "results/bfcl_schema_eval_qwen2.5-coder-1.5b.json"  # section 1's frozen methods, 1.5B
+SCHEMA_EVAL_BUDGETS = "results/bfcl_schema_eval_budgets.json"  # the same, b = 0.2 / 0.33 / 0.5, two categories
 TUNING_BUDGET = 0.33
 
 
@@ -1425,6 +1426,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "schema_paired": schema_paired,
     "schema_eval_1_5b": functools.partial(schema_eval, file=SCHEMA_EVAL_1_5B),
     "schema_paired_1_5b": functools.partial(schema_paired, file=SCHEMA_EVAL_1_5B),
+    "schema_eval_budgets": functools.partial(schema_eval, file=SCHEMA_EVAL_BUDGETS),
+    "schema_paired_budgets": functools.partial(schema_paired, file=SCHEMA_EVAL_BUDGETS),
     "readme_headline": readme_headline,
     "long_prompts_2k_question_last": functools.partial(long_prompts, file="results/bfcl_long2k_question_last.json"),
     "long_prompts_2k_question_first": functools.partial(long_prompts, file="results/bfcl_long2k_question_first.json"),
