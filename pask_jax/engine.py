@@ -41,7 +41,7 @@ from pask_jax.layers import layer_groups
 from pask_jax.methods import FullKV, KVMethod
 from pask_jax.methods.base import PrefillContext, allowance_capacity
 from pask_jax.models.qwen3 import ModelConfig, Qwen3, attention, attention_probs
-from pask_jax.models.sharding import DATA, cache_axes, check_mesh, mesh_context, shard_model
+from pask_jax.models.sharding import DATA, cache_axes, check_mesh, constrain, mesh_context, shard_model
 from pask_jax.structure.constraint import TokenConstraint
 from pask_jax.structure.roles import NO_TOOL
 
@@ -66,6 +66,8 @@ DEFAULT_LENGTH_BUCKETS = (
     24576,
     32768,
 )
+# Prompt positions per prefill chunk: longer prompts run in chunks, so prefill holds one chunk's activations at a time.
+PREFILL_CHUNK = 2048
 NEW_TOKEN_BUCKET = 64  # decode capacity grows in steps of this, so nearby max_new_tokens share a compile
 
 
@@ -180,6 +182,7 @@ class StepPlan:
     use_kernel: bool
     dtype: jnp.dtype
     mesh: Mesh | None = None  # the device mesh its steps run on (None: one device)
+    prefill_chunk: int = PREFILL_CHUNK  # prompt positions per prefill chunk at most (`prefill_plans`)
 
     def _layer_slot(self, layer: int) -> tuple[int, int]:
         for g, (start, stop) in enumerate(self.groups):
@@ -282,24 +285,37 @@ class StepPlan:
             return logits, caches, kept, overflow
 
 
+def prefill_chunks(positions: int, chunk: int) -> int:
+    """How many equal chunks a prefill over `positions` runs in: the fewest of at most `chunk` positions each that
+    split it evenly (every default length bucket above 2048 splits into chunks of 1536 or 2048)."""
+    n = -(-positions // chunk)
+    while positions % n:
+        n += 1
+    return n
+
+
 def prefill_plans(
     plans: tuple[StepPlan, ...], params, tokens, lengths, roles, tools, capacities: tuple[tuple[int, ...], ...]
 ):
-    """One full-attention forward over the prompts, then every plan's method picks what its own caches keep.
+    """A causal forward over the prompts, then every plan's method picks what its own caches keep.
 
     tokens i32[B, T], lengths i32[B], roles i32[B, T], tools i32[B, T] (the offered tool each token describes) ->
     last-token logits f32[B, V], per plan (caches, kept i32[B]).
+    Prompts longer than the plan's `prefill_chunk` run in equal chunks under one loop, each chunk attending to the
+    keys the chunks before it wrote (per-layer K/V buffers of the whole prompt), so the activations held at once are
+    a chunk's, not the prompt's; methods that observe the prompt's attention add up their share per chunk.
     Prefill attention is uncompressed for every method, so plans over one model share the forward; only the
     scoring and the fill are per plan (how a method sweep runs many methods and budgets for one prefill).
     """
     with mesh_context(plans[0].mesh):
         base = plans[0]
+        cfg = base.cfg
         model = nnx.merge(base.graphdef, params)
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         valid = positions < lengths[:, None]
-        kv: list[tuple[jax.Array, jax.Array]] = []
-        observed: list[list] = [[] for _ in plans]
+        kv: list[tuple[jax.Array, jax.Array]] = []  # per layer the prompt's keys and values, once the pass is done
+        observing = [plan.method.needs_prefill_attention for plan in plans]
 
         def extra_query_scores(extra_tokens, extra_positions):
             """Attention mass that extra tokens, run after the prompt, give each prompt key (per layer)."""
@@ -324,20 +340,70 @@ def prefill_plans(
             model.forward(extra_tokens, extra_positions, attend_extra)
             return scores
 
-        ctx = PrefillContext(tokens, positions, valid, lengths, roles, base.cfg.num_kv_heads, extra_query_scores, tools)
+        ctx = PrefillContext(tokens, positions, valid, lengths, roles, cfg.num_kv_heads, extra_query_scores, tools)
 
-        def attend(layer, q, k, v):
-            kv.append((k, v))
-            for plan, seen in zip(plans, observed, strict=True):
-                seen.append(plan.method.prefill_observe(layer, q, k, ctx))
-            return attention(q, k, v, causal=True, key_valid=valid)  # its mask built per block
+        def chunk_pass(start, chunk_tokens, buffers: list, sums: list[list]):
+            """One chunk at prompt positions start.. through the layers -> hidden f[B, C, D], buffers, sums.
 
-        hidden = model.forward(tokens, positions, attend)
-        last = hidden[jnp.arange(b), lengths - 1][:, None]  # only the last prompt token needs logits
-        logits = model.logits(last)[:, 0]
+            buffers: per layer the whole prompt's (keys, values), this chunk's written at `start` (None: the chunk is
+            the whole prompt, its keys are the layer's); sums: per plan and layer its observed scores so far (None:
+            nothing yet, or a method that observes nothing)."""
+            chunk_positions = jnp.broadcast_to(
+                start + jnp.arange(chunk_tokens.shape[1], dtype=jnp.int32), chunk_tokens.shape
+            )
+            buffers, sums = list(buffers), [list(row) for row in sums]
+
+            def attend(layer, q, k, v):
+                if buffers[layer] is None:
+                    keys, values = k, v
+                else:
+                    keys, values = (
+                        jax.lax.dynamic_update_slice_in_dim(buffer, x, start, 1)
+                        for buffer, x in zip(buffers[layer], (k, v), strict=True)
+                    )
+                buffers[layer] = (keys, values)
+                for plan, row, observes in zip(plans, sums, observing, strict=True):
+                    if observes:
+                        share = plan.method.prefill_observe(layer, q, keys, start, ctx)
+                        row[layer] = share if row[layer] is None else row[layer] + share
+                return attention(q, keys, values, causal=True, key_valid=valid, query_start=start)  # mask per block
+
+            return model.forward(chunk_tokens, chunk_positions, attend), buffers, sums
+
+        layers = cfg.num_layers
+        n = prefill_chunks(t, base.prefill_chunk)
+        if n == 1:
+            hidden, buffers, sums = chunk_pass(0, tokens, [None] * layers, [[None] * layers for _ in plans])
+            last = hidden[jnp.arange(b), lengths - 1]  # only the last prompt token needs logits
+        else:
+            c = t // n
+
+            def run_chunk(i, carry):
+                buffers, sums, last = carry
+                start = i * c
+                hidden, buffers, sums = chunk_pass(
+                    start, jax.lax.dynamic_slice_in_dim(tokens, start, c, 1), buffers, sums
+                )
+                row = lengths - 1 - start  # i32[B]: the last prompt token's row in this chunk
+                here = (row >= 0) & (row < c)
+                last = jnp.where(here[:, None], hidden[jnp.arange(b), jnp.clip(row, 0, c - 1)], last)
+                return buffers, sums, last
+
+            empty = constrain(
+                jnp.zeros((b, t, cfg.num_kv_heads, cfg.head_dim), base.dtype), "batch", None, "kv_heads", None
+            )
+            zero = jnp.zeros((b, cfg.num_kv_heads, t), jnp.float32)
+            carry = (
+                [(empty, empty)] * layers,
+                [[zero if observes else None] * layers for observes in observing],
+                jnp.zeros((b, cfg.hidden_size), base.dtype),
+            )
+            buffers, sums, last = jax.lax.fori_loop(0, n, run_chunk, carry)
+        kv.extend(buffers)
+        logits = model.logits(last[:, None])[:, 0]
         filled = [
             plan.fill(kv, plan.method.prefill_scores(seen, ctx), ctx, caps)
-            for plan, seen, caps in zip(plans, observed, capacities, strict=True)
+            for plan, seen, caps in zip(plans, sums, capacities, strict=True)
         ]
         return logits, filled
 
@@ -385,6 +451,7 @@ class Engine:
     `mesh`: a (`data`, `model`) mesh of this process's devices (`make_mesh`); the model's parameters move onto it
     (in place, so engines over one model share them). None: one device, as without sharding.
     Weights, activations and cache take the model's dtype (`load_model(..., dtype=)`).
+    `prefill_chunk`: prompts longer than this many positions are prefilled in equal chunks of at most this many.
     """
 
     def __init__(
@@ -399,9 +466,12 @@ class Engine:
         length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
         max_context: int | None = None,
         mesh: Mesh | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"budget={budget} must be in (0, 1]")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1")
         self.mesh = mesh
         self.data_size = 1
         if mesh is not None:
@@ -427,6 +497,7 @@ class Engine:
             use_kernel=use_kernel,
             dtype=model.embed.embedding.dtype,
             mesh=mesh,
+            prefill_chunk=prefill_chunk,
         )
 
     @property
@@ -689,10 +760,11 @@ def generate_shared(
         same = engine.plan.graphdef == first.plan.graphdef and all(
             a is b for a, b in zip(jax.tree.leaves(engine.params), shared_leaves, strict=True)
         )
-        settings = (engine.length_buckets, engine.max_context, engine.mesh)
-        if not same or settings != (first.length_buckets, first.max_context, first.mesh):
+        settings = (engine.length_buckets, engine.max_context, engine.mesh, engine.plan.prefill_chunk)
+        if not same or settings != (first.length_buckets, first.max_context, first.mesh, first.plan.prefill_chunk):
             raise ValueError(
-                "generate_shared needs engines over the same model, length buckets, context limit and mesh"
+                "generate_shared needs engines over the same model, length buckets, context limit, mesh and "
+                "prefill chunk"
             )
     for engine, constraint in zip(engines, constraints, strict=True):
         if engine.method.needs_roles and prompt_roles is None and constraint is None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh
 
-from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine
+from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, PREFILL_CHUNK, Engine
 from pask_jax.methods import METHODS, make_method
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.policy import PersistencePolicy
@@ -64,6 +64,7 @@ def make_engine(
     max_context: int | None = None,
     mesh: Mesh | None = None,
     length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> Engine:
     """An engine running `method` (a name in `METHODS`) at total KV budget `budget`.
 
@@ -94,4 +95,5 @@ def make_engine(
         max_context=max_context,
         mesh=mesh,
         length_buckets=length_buckets,
+        prefill_chunk=prefill_chunk,
     )

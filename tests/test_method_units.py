@@ -16,7 +16,7 @@ from pask_jax.methods import H2O, METHODS, DapQ, FullKV, PaskKV, PyramidKV, Snap
 from pask_jax.methods.base import PROTECTED
 from pask_jax.methods.h2o import accumulated_attention, fold_recent_window
 from pask_jax.methods.pyramidkv import pyramid_fractions
-from pask_jax.methods.snapkv import prompt_first_priority, window_scores
+from pask_jax.methods.snapkv import prompt_first_priority, window_attention, window_scores
 from pask_jax.models import qwen3
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.structure.roles import Role
@@ -64,7 +64,8 @@ def test_snapkv_scores_and_pooling_match_numpy(pooling: str):
     q, k = random_qk()
     lengths = np.array([12, 9], np.int32)
     window, kernel = 4, 3
-    got = np.asarray(window_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(lengths), window, kernel, pooling))
+    summed = window_attention(jnp.asarray(q), jnp.asarray(k), 0, jnp.asarray(lengths), window)
+    got = np.asarray(window_scores(summed, jnp.asarray(lengths), window, kernel, pooling))
     assert got.shape == (2, 2, 12)
     for (s, head), want in snapkv_numpy(q, k, lengths, window, kernel, pooling).items():
         p = lengths[s]
@@ -72,15 +73,18 @@ def test_snapkv_scores_and_pooling_match_numpy(pooling: str):
         win = got[s, head, p - window : p]
         assert (win >= PROTECTED).all() and (np.diff(win) > 0).all(), "window kept, newest first"
         assert (got[s, head, p:] == 0).all(), "padding"
-    # Through the method hook, with the same per-sequence window
+    # Through the method hooks, the prompt in three chunks of 4 queries: the same scores
     ctx = SimpleNamespace(lengths=jnp.asarray(lengths))
-    hook = SnapKV(window=window, kernel=kernel, pooling=pooling).prefill_observe(0, jnp.asarray(q), jnp.asarray(k), ctx)
-    np.testing.assert_array_equal(np.asarray(hook), got)
+    method = SnapKV(window=window, kernel=kernel, pooling=pooling)
+    shares = [method.prefill_observe(0, jnp.asarray(q[:, i : i + 4]), jnp.asarray(k), i, ctx) for i in (0, 4, 8)]
+    (hook,) = method.prefill_scores([sum(shares)], ctx)
+    np.testing.assert_allclose(np.asarray(hook), got, rtol=1e-6)
 
 
 def test_snapkv_prompt_shorter_than_window_is_all_window():
     q, k = random_qk()
-    got = np.asarray(window_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray([3, 12], jnp.int32), 32, 7))
+    lengths = jnp.asarray([3, 12], jnp.int32)
+    got = np.asarray(window_scores(window_attention(jnp.asarray(q), jnp.asarray(k), 0, lengths, 32), lengths, 32, 7))
     assert (got[0, :, :3] >= PROTECTED).all() and (got[0, :, 3:] == 0).all()
     assert (np.diff(got[1], axis=-1) > 0).all()
 
@@ -238,8 +242,15 @@ def test_h2o_prefill_is_column_sums_of_causal_attention(monkeypatch, query_chunk
     q, k = random_qk(t=6, seed=2)
     lengths = np.array([6, 4], np.int32)
     positions = np.broadcast_to(np.arange(6), (2, 6))
-    ctx = SimpleNamespace(positions=jnp.asarray(positions), valid=jnp.asarray(positions < lengths[:, None]))
+    valid = jnp.asarray(positions < lengths[:, None])
+    ctx = SimpleNamespace(positions=jnp.asarray(positions), valid=valid, lengths=jnp.asarray(lengths))
     got = np.asarray(accumulated_attention(jnp.asarray(q), jnp.asarray(k), ctx))
+    # the prompt's queries in chunks of 2 and 4 at their positions, against all its keys: the same column sums
+    for chunk in (2, 4):
+        shares = [
+            accumulated_attention(jnp.asarray(q[:, i : i + chunk]), jnp.asarray(k), ctx, i) for i in range(0, 6, chunk)
+        ]
+        np.testing.assert_allclose(np.asarray(sum(shares)), got, rtol=1e-5, atol=1e-6)
     for s in range(2):
         for head in range(2):
             want = np.zeros(6)
@@ -298,8 +309,7 @@ def _pask_prefill(method, roles: list[int], dapq: list[float]) -> np.ndarray:
     ctx.valid = jnp.ones((1, t), bool)
     ctx.roles = jnp.asarray([[int(x) for x in roles]], jnp.int32)
     ctx.extra_query_scores = lambda *_: [jnp.asarray(dapq, jnp.float32)[None, None]]
-    observed = [method.prefill_observe(0, None, None, ctx)]
-    return np.asarray(method.prefill_scores(observed, ctx)[0])[0, 0]
+    return np.asarray(method.prefill_scores([None], ctx)[0])[0, 0]
 
 
 def test_pask_rank_pooling_and_system_as_request_options():

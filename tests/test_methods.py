@@ -8,12 +8,14 @@ and its static generation of PROMPTS (the `matrix` fixture); budget 1 is the sec
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from flax import nnx
 from support import BUCKETS, BUDGET, CASES, NEW, PROMPTS, ROLES, Matrix
 
-from pask_jax.engine import Engine, SamplingConfig, generate_shared
+from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine, SamplingConfig, _prefill, generate_shared, prefill_chunks
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.scheduler import ContinuousBatcher, SequenceRequest
 
@@ -95,6 +97,42 @@ def test_prefill_keeps_unique_valid_entries(matrix: Matrix, name: str):
             assert (live >= 0).all() and (live < lengths[idx[1]]).all(), "kept entries must be real prompt tokens"
             quota = max(int(np.floor(engine.plan.allowance(start + idx[0], lengths[idx[1]]))), 1)
             assert length[idx] == min(quota, cache.capacity)
+
+
+def test_chunked_prefill_keeps_what_one_pass_keeps(matrix: Matrix):
+    """The 64 bucket prefilled in four chunks of 16 (every case in one shared pass, as a sweep runs it) keeps the
+    entries one pass keeps, with their scores, and gives the same last-token logits: every method's prompt statistic
+    is a sum over queries (attention mass) or a function of positions, roles and the finished prompt."""
+    plans = tuple(matrix.engine(name, BUDGET).plan for name in NAMES)
+    chunked = tuple(dataclasses.replace(plan, prefill_chunk=16) for plan in plans)
+    assert prefill_chunks(64, 16) == 4
+    tokens, roles = np.zeros((4, 64), np.int32), np.zeros((4, 64), np.int32)
+    lengths = np.ones(4, np.int32)
+    for i, (prompt, prompt_roles) in enumerate(zip(PROMPTS, ROLES, strict=True)):
+        tokens[i, : len(prompt)], roles[i, : len(prompt)], lengths[i] = prompt, prompt_roles, len(prompt)
+    tools = np.full_like(tokens, -1)
+    capacities = tuple(matrix.engine(name, BUDGET).capacities(64, 64) for name in NAMES)
+    params = matrix.engine(NAMES[0], BUDGET).params
+    whole_logits, whole = _prefill(plans, params, tokens, lengths, roles, tools, capacities)
+    chunk_logits, chunks = _prefill(chunked, params, tokens, lengths, roles, tools, capacities)
+    np.testing.assert_allclose(np.asarray(chunk_logits), np.asarray(whole_logits), rtol=1e-5, atol=1e-5)
+    for name, (one_pass, _), (in_chunks, _) in zip(NAMES, whole, chunks, strict=True):
+        for a, b in zip(one_pass, in_chunks, strict=True):
+            np.testing.assert_array_equal(np.asarray(a.length), np.asarray(b.length), err_msg=name)
+            live = np.arange(a.capacity) < np.asarray(a.length)[..., None]
+            slots_a, slots_b = np.asarray(a.table), np.asarray(b.table)
+            pos_a = np.where(live, np.take_along_axis(np.asarray(a.pos), slots_a, -1), -1)
+            pos_b = np.where(live, np.take_along_axis(np.asarray(b.pos), slots_b, -1), -1)
+            np.testing.assert_array_equal(np.sort(pos_a, -1), np.sort(pos_b, -1), err_msg=name)
+            score_a = np.take_along_axis(np.asarray(a.score), np.argsort(np.asarray(a.pos), -1), -1)
+            score_b = np.take_along_axis(np.asarray(b.score), np.argsort(np.asarray(b.pos), -1), -1)
+            np.testing.assert_allclose(score_b, score_a, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_prefill_chunks_split_every_default_bucket_evenly():
+    for bucket in DEFAULT_LENGTH_BUCKETS:
+        n = prefill_chunks(bucket, 2048)
+        assert bucket % n == 0 and bucket // n <= 2048 and (n == 1 or bucket // n >= 1024), bucket
 
 
 def test_shared_prefill_equals_separate_engines(matrix: Matrix):

@@ -280,9 +280,25 @@ def test_blocked_attention_equals_reference(monkeypatch, t, s, chunk, causal):
     assert not np.asarray(blocked)[1, np.asarray(qpos) >= int(lengths[1])].any()
 
 
-def test_causal_attention_needs_a_square_mask():
-    q, k = jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 6, 2, 8))
-    with pytest.raises(ValueError, match="as many keys as queries"):
-        qwen3.attention(q, k, k, jnp.ones((1, 4, 6), bool), causal=True)
+@pytest.mark.parametrize("start, t, s, chunk", [(0, 16, 48, 16), (16, 16, 48, 16), (32, 16, 48, 8), (20, 12, 40, 64)])
+def test_causal_attention_of_a_prompt_chunk_equals_reference(monkeypatch, start, t, s, chunk):
+    """Queries at prompt positions start .. start + t - 1 against the whole prompt's key buffer (keys after the chunk
+    present but causally invisible), as chunked prefill runs them: the reference over the visible keys."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (2, t, 4, 8))
+    k, v = (jax.random.normal(key, (2, s, 2, 8)) for key in keys[1:])
+    key_valid = jnp.arange(s)[None, :] < jnp.array([s, start + t // 2])[:, None]
+    monkeypatch.setattr(qwen3, "QUERY_CHUNK", chunk)
+    got = qwen3.attention(q, k, v, causal=True, key_valid=key_valid, query_start=jnp.int32(start))
+    mask = ((start + jnp.arange(t))[:, None] >= jnp.arange(s)[None, :])[None] & key_valid[:, None]
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(qwen3.reference_attention(q, k, v, mask)), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_causal_attention_needs_a_key_per_query():
+    q, k = jnp.zeros((1, 6, 2, 8)), jnp.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
+        qwen3.attention(q, k, k, jnp.ones((1, 6, 4), bool), causal=True)
     with pytest.raises(ValueError, match="a mask, or causal=True with key_valid"):
         qwen3.attention(q, q, q, key_valid=jnp.ones((1, 4), bool))  # built masks are causal only

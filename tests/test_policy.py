@@ -373,7 +373,7 @@ def test_retained_call_outranks_floors_and_released_entries_leave_first():
     roles = jnp.asarray([[Role.SINK, Role.DESCRIPTION, Role.USER_TEXT, Role.USER_TEXT]], jnp.int32)
     positions = jnp.arange(4, dtype=jnp.int32)[None]
     ctx = PrefillContext(roles * 0, positions, positions < 4, jnp.asarray([4]), roles, 1, lambda *a: [])
-    prompt = np.asarray(method.prefill_observe(0, None, None, ctx))[0, 0]  # [sink, description, user, user]
+    prompt = np.asarray(method.role_scores(0, ctx))[0, 0]  # [sink, description, user, user]
     assert table.floor[Role.USER_TEXT, 0] == 0.75 and table.floor[Role.DESCRIPTION, 0] == 0
     assert prompt[1] < prompt[2] < prompt[3]  # the description leaves before the floor-protected user text
     call = np.asarray(method.new_token_score(0, jnp.asarray([4]), jnp.asarray([retained]), 1))[0, 0]

@@ -7,8 +7,11 @@ A method is a small object whose hooks run inside the engine's jitted prefill an
   KVCache-Factory allotment adds the window on top). The engine sizes each layer group's capacity from it and
   enforces, per (layer, sequence, KV head), the running cap `kept_l(t) <= floor(allowance_l(P + t))` after every
   step; the token being written is the only slack.
-- `prefill_observe` (per layer, during the prompt pass) and `prefill_scores` (after it): a score per prompt entry,
-  f32[B, K, P]; the engine keeps the top `floor(fraction_l * P)` entries of each (sequence, KV head).
+- `prefill_observe` (per layer and prompt chunk, during the prompt pass, only if `needs_prefill_attention`) and
+  `prefill_scores` (after it): a score per prompt entry, f32[B, K, P]; the engine keeps the top
+  `floor(fraction_l * P)` entries of each (sequence, KV head). A long prompt is prefilled in chunks, each attending
+  to the keys written before it; what `prefill_observe` returns per chunk is summed over the chunks, so a method
+  whose statistic is a sum over queries (attention mass) gets the same scores as from one pass over the prompt.
 - `new_token_score`, `update_scores` (with the step's attention weights, only if `needs_decode_attention`) and
   `eviction_priority`: when a step's new token pushes a (layer, sequence, head) over its cap, the live entry with the
   lowest priority leaves; `release_unchosen_tools` may then lower the entries of the offered tools the call being
@@ -57,6 +60,7 @@ class KVMethod:
     name: ClassVar[str] = "base"
     needs_decode_attention: ClassVar[bool] = False  # True: decode computes attention weights for `update_scores`
     needs_roles: ClassVar[bool] = False  # True: token roles decide what it keeps (generation without any is an error)
+    needs_prefill_attention: ClassVar[bool] = False  # True: `prefill_observe` sees each prompt chunk's queries, keys
 
     def layer_fractions(self, num_layers: int, budget: float) -> np.ndarray:
         return np.full(num_layers, budget)
@@ -67,12 +71,19 @@ class KVMethod:
         Non-decreasing in `full`; its mean over layers is `budget * full`."""
         return fraction * full
 
-    def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array | None:
-        """q f[B, T, N, H], k f[B, T, K, H] of one layer's prompt pass -> scores f32[B, K, T] or None."""
-        return None
+    def prefill_observe(
+        self, layer: int, q: jax.Array, keys: jax.Array, query_start: jax.Array, ctx: PrefillContext
+    ) -> jax.Array:
+        """One layer's share of one prompt chunk -> f32[B, K, T], summed over the chunks into `prefill_scores`.
+
+        q f[B, C, N, H]: the chunk's queries, at prompt positions query_start .. query_start + C - 1 (i32[]; the
+        whole prompt is one chunk from 0); keys f[B, T, K, H]: the prompt's keys, those after the chunk not written
+        yet (zeros, and causally invisible to it)."""
+        raise NotImplementedError(f"{self.name} sets needs_prefill_attention and must define prefill_observe")
 
     def prefill_scores(self, observed: list[jax.Array | None], ctx: PrefillContext) -> list[jax.Array]:
-        """Per layer f32[B, K, T]: higher is kept first. Default: the observed scores, else recency."""
+        """Per layer f32[B, K, T]: higher is kept first. `observed`: per layer the sum of `prefill_observe` over the
+        chunks (None without `needs_prefill_attention`). Default: the observed sums, else recency."""
         b, t = ctx.tokens.shape
         recency = jnp.broadcast_to(ctx.positions[:, None].astype(jnp.float32), (b, ctx.kv_heads, t))
         return [recency if o is None else o for o in observed]

@@ -30,36 +30,44 @@ from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
 from pask_jax.models import qwen3
 
 
-def accumulated_attention(q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
-    """Column sums of the prompt's causal attention over valid queries and the GQA group -> f32[B, K, T].
+def accumulated_attention(
+    q: jax.Array, k: jax.Array, ctx: PrefillContext, query_start: jax.Array | int = 0
+) -> jax.Array:
+    """Column sums of causal attention over valid queries and the GQA group -> f32[B, K, T].
 
-    q f[B, T, N, H], k f[B, T, K, H] at the prefill's positions 0..T-1. In blocks of `qwen3.QUERY_CHUNK` queries and
-    keys, two passes per query block: the softmax's running max and denominator over the keys it sees, then its
-    normalised weights summed into their key columns. Key blocks after a query block are skipped (causal): about half
-    the logits of the prompt, and never more than one block's [B, K, G, c, c] weights at a time.
+    q f[B, C, N, H]: prompt queries at positions query_start .. query_start + C - 1 (the whole prompt from 0, or a
+    chunk of it); k f[B, T, K, H]: the prompt's keys. Summed over a prompt's chunks this is the one-pass value. In
+    blocks of `qwen3.QUERY_CHUNK` queries and keys, two passes per query block: the softmax's running max and
+    denominator over the keys it sees, then its normalised weights summed into their key columns. Key blocks after a
+    query block are skipped (causal): about half the logits of the prompt, and never more than one block's
+    [B, K, G, c, c] weights at a time.
     """
-    b, t, n, h = q.shape
-    kv_heads = k.shape[2]
-    c = min(qwen3.QUERY_CHUNK, t)
-    tp = -(-t // c) * c  # padded to whole blocks; padded keys are invisible, padded queries weigh 0
+    b, chunk, n, h = q.shape
+    t, kv_heads = k.shape[1], k.shape[2]
+    c = min(qwen3.QUERY_CHUNK, chunk)
+    cp, tp = -(-chunk // c) * c, -(-t // c) * c  # padded to whole blocks; padded keys invisible, queries weigh 0
 
-    def pad(x: jax.Array) -> jax.Array:
-        return jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
+    def pad(x: jax.Array, to: int) -> jax.Array:
+        return jnp.pad(x, ((0, 0), (0, to - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
 
-    qt = jnp.transpose(pad(q).reshape(b, tp, kv_heads, n // kv_heads, h), (0, 2, 3, 1, 4))  # [B, K, G, Tp, H]
-    kt = jnp.transpose(pad(k), (0, 2, 1, 3))  # [B, K, Tp, H]
-    positions, valid = pad(ctx.positions), pad(ctx.valid)  # i32[B, Tp], bool[B, Tp]
+    qt = jnp.transpose(pad(q, cp).reshape(b, cp, kv_heads, n // kv_heads, h), (0, 2, 3, 1, 4))  # [B, K, G, Cp, H]
+    kt = jnp.transpose(pad(k, tp), (0, 2, 1, 3))  # [B, K, Tp, H]
+    query_pos = query_start + jnp.arange(cp)  # i32[Cp]
+    query_valid = (jnp.arange(cp) < chunk)[None] & (query_pos[None] < ctx.lengths[:, None])  # bool[B, Cp]
+    key_pos, key_valid = jnp.arange(tp), pad(ctx.valid, tp)  # i32[Tp], bool[B, Tp]
 
     def block(x: jax.Array, i: jax.Array, axis: int) -> jax.Array:
         return jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=axis)
 
     def logits(i: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array]:  # -> f32[B, K, G, c, c], bool[B, c, c]
-        visible = (block(positions, i, 1)[:, :, None] >= block(positions, j, 1)[:, None, :]) & block(valid, j, 1)[
+        visible = (block(query_pos, i, 0)[:, None] >= block(key_pos, j, 0)[None, :])[None] & block(key_valid, j, 1)[
             :, None, :
         ]
         return qwen3.grouped_logits(block(qt, i, 3), block(kt, j, 2)), visible[:, None, None]
 
     def query_block(i: jax.Array, acc: jax.Array) -> jax.Array:
+        seen = jnp.minimum((query_start + (i + 1) * c - 1) // c + 1, tp // c)  # key blocks up to the causal edge
+
         def normaliser(j, carry):  # online max and denominator over key block j
             row_max, denom = carry
             x, visible = logits(i, j)
@@ -68,17 +76,17 @@ def accumulated_attention(q: jax.Array, k: jax.Array, ctx: PrefillContext) -> ja
             return new_max, denom * jnp.exp(row_max - new_max) + terms
 
         shape = (b, kv_heads, n // kv_heads, c)
-        row_max, denom = jax.lax.fori_loop(0, i + 1, normaliser, (jnp.full(shape, -1e30), jnp.zeros(shape)))
-        weight = block(valid, i, 1)[:, None, None].astype(jnp.float32) / jnp.maximum(denom, 1e-30)  # [B, K, G, c]
+        row_max, denom = jax.lax.fori_loop(0, seen, normaliser, (jnp.full(shape, -1e30), jnp.zeros(shape)))
+        weight = block(query_valid, i, 1)[:, None, None].astype(jnp.float32) / jnp.maximum(denom, 1e-30)
 
         def columns(j, acc):  # key block j's share of query block i's weights, summed over queries and the group
             x, visible = logits(i, j)
             probs = jnp.where(visible, jnp.exp(x - row_max[..., None]), 0.0) * weight[..., None]
             return jax.lax.dynamic_update_slice_in_dim(acc, block(acc, j, 2) + probs.sum(axis=(2, 3)), j * c, axis=2)
 
-        return jax.lax.fori_loop(0, i + 1, columns, acc)
+        return jax.lax.fori_loop(0, seen, columns, acc)
 
-    acc = jax.lax.fori_loop(0, tp // c, query_block, jnp.zeros((b, kv_heads, tp), jnp.float32))
+    acc = jax.lax.fori_loop(0, cp // c, query_block, jnp.zeros((b, kv_heads, tp), jnp.float32))
     return acc[..., :t]
 
 
@@ -101,14 +109,18 @@ def fold_recent_window(acc: jax.Array, lengths: jax.Array, recent_fraction: floa
 class H2O(KVMethod):
     name: ClassVar[str] = "h2o"
     needs_decode_attention: ClassVar[bool] = True
+    needs_prefill_attention: ClassVar[bool] = True
     recent_fraction: float = 0.5  # share of the kept entries reserved for the most recent tokens
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recent_fraction < 1.0:
             raise ValueError(f"H2O recent_fraction={self.recent_fraction} must be in [0, 1)")
 
-    def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
-        return fold_recent_window(accumulated_attention(q, k, ctx), ctx.lengths, self.recent_fraction)
+    def prefill_observe(self, layer, q, keys, query_start, ctx: PrefillContext) -> jax.Array:
+        return accumulated_attention(q, keys, ctx, query_start)
+
+    def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
+        return [fold_recent_window(acc, ctx.lengths, self.recent_fraction) for acc in observed]
 
     def new_token_score(self, layer: int, position: jax.Array, role: jax.Array, kv_heads: int) -> jax.Array:
         return jnp.zeros((position.shape[0], kv_heads), jnp.float32)

@@ -120,7 +120,8 @@ class PaskKV(KVMethod):
         level = TIER * tier + jnp.round(PRIORITY_LEVELS * priority[roles])
         return level * POSITION_RANGE + jnp.minimum(positions, POSITION_RANGE - 1)
 
-    def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
+    def role_scores(self, layer: int, ctx: PrefillContext) -> jax.Array:
+        """The prompt entries' levels from their roles, position inside a level -> f32[B, K, T]."""
         floor, priority, _ = self._bucket_tables(layer)
         roles = ctx.roles  # i32[B, T]
         if self.system_as_request:
@@ -138,13 +139,14 @@ class PaskKV(KVMethod):
         return jnp.broadcast_to(score[:, None].astype(jnp.float32), (score.shape[0], ctx.kv_heads, score.shape[1]))
 
     def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
+        scores = [self.role_scores(layer, ctx) for layer in range(len(observed))]
         if self.rank == "recency":
-            return observed
+            return scores
         # Inside a level (or a tier), order prompt entries by DapQ's pseudo-query attention: its rank replaces the
         # position (and, for "dapq_tier", the priority).
-        pseudo = DapQ(pooling=self.pooling).prefill_scores([None] * len(observed), ctx)
+        pseudo = DapQ(pooling=self.pooling).prefill_scores(observed, ctx)
         ranked = []
-        for score, d in zip(observed, pseudo, strict=True):
+        for score, d in zip(scores, pseudo, strict=True):
             order = jnp.argsort(jnp.argsort(jnp.where(ctx.valid[:, None], d, -jnp.inf), axis=-1), axis=-1)
             level = jnp.floor(score / POSITION_RANGE)
             if self.rank == "dapq_tier":

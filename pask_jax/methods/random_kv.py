@@ -32,8 +32,8 @@ class RandomKV(KVMethod):
     name: ClassVar[str] = "random"
     seed: int = 0
 
-    def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
-        return position_noise(self.seed, layer, ctx.positions, ctx.kv_heads)
+    def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
+        return [position_noise(self.seed, layer, ctx.positions, ctx.kv_heads) for layer in range(len(observed))]
 
     def new_token_score(self, layer: int, position: jax.Array, role: jax.Array, kv_heads: int) -> jax.Array:
         return position_noise(self.seed, layer, position, kv_heads)

@@ -31,20 +31,29 @@ from pask_jax.models.qwen3 import attention_probs
 POOLINGS = ("max", "avg")
 
 
-def window_scores(
-    q: jax.Array, k: jax.Array, lengths: jax.Array, window: int, kernel: int, pooling: str = "max"
-) -> jax.Array:
-    """SnapKV's scores of one layer: q f[B, T, N, H], k f[B, T, K, H], lengths i32[B] -> f32[B, K, T].
+def window_attention(q: jax.Array, keys: jax.Array, query_start: jax.Array | int, lengths: jax.Array, window: int):
+    """The attention the observation window gives each key, summed over the window and the GQA group -> f32[B, K, T].
+
+    q f[B, C, N, H]: prompt queries at positions query_start .. query_start + C - 1 (the whole prompt from 0, or a
+    chunk); keys f[B, T, K, H]; lengths i32[B]. Only the window queries inside this chunk count, so the sum over a
+    prompt's chunks is the one-pass value (each window query sees all its keys in the chunk it is in).
+    """
+    c, t = q.shape[1], keys.shape[1]
+    qpos = lengths[:, None] - window + jnp.arange(window)  # i32[B, w] each sequence's window positions
+    local = qpos - query_start  # the window queries' rows in this chunk
+    here = (local >= 0) & (local < c) & (qpos >= 0)  # bool[B, w]; short prompts: fewer rows
+    q_win = jnp.take_along_axis(q, jnp.clip(local, 0, c - 1)[:, :, None, None], axis=1)  # [B, w, N, H]
+    mask = (jnp.arange(t)[None, None, :] <= qpos[:, :, None]) & here[:, :, None]  # causal
+    return attention_probs(q_win, keys, mask).sum(axis=(2, 3))  # [B, K, T]
+
+
+def window_scores(summed: jax.Array, lengths: jax.Array, window: int, kernel: int, pooling: str = "max") -> jax.Array:
+    """SnapKV's scores of one layer from its `window_attention` f32[B, K, T] -> f32[B, K, T].
 
     Prefix entries get the pooled window attention (>= 0), window entries PROTECTED * (1 + small rank, newest
     highest), padding 0.
     """
-    t = q.shape[1]
-    qpos = lengths[:, None] - window + jnp.arange(window)  # i32[B, w] each sequence's window positions
-    q_win = jnp.take_along_axis(q, jnp.clip(qpos, 0, t - 1)[:, :, None, None], axis=1)  # [B, w, N, H]
-    keys = jnp.arange(t)
-    mask = (keys[None, None, :] <= qpos[:, :, None]) & (qpos[:, :, None] >= 0)  # causal; short prompts: fewer rows
-    summed = attention_probs(q_win, k, mask).sum(axis=(2, 3))  # [B, K, T] over the GQA group and the window
+    keys = jnp.arange(summed.shape[-1])
     start = jnp.maximum(lengths - window, 0)[:, None, None]  # first window position
     prefix = keys < start
     pooled = pool_keys(summed, prefix, kernel, pooling)
@@ -78,6 +87,7 @@ def prompt_first_priority(scores: jax.Array, pos: jax.Array, prompt_len: jax.Arr
 @dataclasses.dataclass(frozen=True)
 class SnapKV(KVMethod):
     name: ClassVar[str] = "snapkv"
+    needs_prefill_attention: ClassVar[bool] = True
     window: int = 32  # observation window (last prompt tokens)
     kernel: int = 7  # pooling kernel along the keys
     pooling: str = "max"  # or "avg"
@@ -88,8 +98,11 @@ class SnapKV(KVMethod):
         if self.pooling not in POOLINGS:
             raise ValueError(f"SnapKV pooling={self.pooling!r} must be one of {POOLINGS}")
 
-    def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
-        return window_scores(q, k, ctx.lengths, self.window, self.kernel, self.pooling)
+    def prefill_observe(self, layer, q, keys, query_start, ctx: PrefillContext) -> jax.Array:
+        return window_attention(q, keys, query_start, ctx.lengths, self.window)
+
+    def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
+        return [window_scores(s, ctx.lengths, self.window, self.kernel, self.pooling) for s in observed]
 
     def eviction_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
         return prompt_first_priority(scores, pos, prompt_len)

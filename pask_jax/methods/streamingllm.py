@@ -20,9 +20,11 @@ class StreamingLLM(KVMethod):
     name: ClassVar[str] = "streamingllm"
     sinks: int = 4  # attention sinks (the paper's choice)
 
-    def prefill_observe(self, layer: int, q: jax.Array, k: jax.Array, ctx: PrefillContext) -> jax.Array:
+    def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
         priority = recency_priority(ctx.positions, self.sinks)  # f32[B, T]
-        return jnp.broadcast_to(priority[:, None], (priority.shape[0], ctx.kv_heads, priority.shape[1]))
+        return [jnp.broadcast_to(priority[:, None], (priority.shape[0], ctx.kv_heads, priority.shape[1]))] * len(
+            observed
+        )
 
     def eviction_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
         return recency_priority(pos, self.sinks)

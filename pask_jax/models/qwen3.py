@@ -229,19 +229,21 @@ def attention(
     *,
     causal: bool = False,
     key_valid: jax.Array | None = None,  # bool[B, S], with mask None
+    query_start: jax.Array | int = 0,  # i32[]: the position of query 0, with causal (a chunk of a longer prompt)
 ) -> jax.Array:  # f[B, T, N, H]
     """`reference_attention` in blocks of QUERY_CHUNK queries and keys with an online softmax, so a long prompt never
     materialises its T x S weights (rows with no visible key are zeros, as there).
 
-    causal: the caller's mask is causal over a prompt attending to itself (T == S, mask[t, s] False for s > t), so
-    the key blocks after each query block are skipped: about half the work of a long prompt.
-    mask None (with causal and `key_valid`): the mask is query t sees key s <= t where key s is valid, built per
-    block, so a long prompt never materialises its T x T mask either (1 GiB at 32k tokens).
+    causal: the caller's mask is causal over a prompt attending to itself, query t being prompt position
+    `query_start + t` (S >= query_start + T, mask[t, s] False for s > query_start + t), so the key blocks after each
+    query block are skipped: about half the work of a long prompt.
+    mask None (with causal and `key_valid`): the mask is query t sees key s <= query_start + t where key s is valid,
+    built per block, so a long prompt never materialises its T x S mask either (1 GiB at 32k tokens).
     """
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
-    if causal and s != t:
-        raise ValueError(f"causal attention needs as many keys as queries, got {t} queries and {s} keys")
+    if causal and s < t:
+        raise ValueError(f"causal attention needs at least as many keys as queries, got {t} queries and {s} keys")
     if (mask is None) == (key_valid is None) or (mask is None and not causal):
         raise ValueError("attention takes a mask, or causal=True with key_valid")
     cq, ck = _block_size(t), _block_size(s)
@@ -258,7 +260,7 @@ def attention(
         if mask is not None:
             rows = jax.lax.dynamic_slice_in_dim(mask, i * cq, cq, axis=1)
             return jax.lax.dynamic_slice_in_dim(rows, j * ck, ck, axis=2)
-        rows, cols = i * cq + jnp.arange(cq), j * ck + jnp.arange(ck)
+        rows, cols = query_start + i * cq + jnp.arange(cq), j * ck + jnp.arange(ck)
         return (rows[:, None] >= cols[None, :])[None] & jax.lax.dynamic_slice_in_dim(key_valid, j * ck, ck, 1)[:, None]
 
     if tp == cq and sp == ck:  # one block: no loops (short prompts, decode-sized queries)
@@ -278,7 +280,10 @@ def attention(
 
             shape = q_block.shape[:-1]
             init = (jnp.zeros((*shape, h), jnp.float32), jnp.zeros(shape, jnp.float32), jnp.full(shape, -1e30))
-            out, denom, _ = jax.lax.fori_loop(0, i + 1 if causal else sp // ck, key_block, init)
+            # causal: the key blocks up to the one holding this query block's last position
+            last = query_start + (i + 1) * cq - 1
+            visible = jnp.minimum(last // ck + 1, sp // ck) if causal else sp // ck
+            out, denom, _ = jax.lax.fori_loop(0, visible, key_block, init)
             return out / jnp.maximum(denom, 1e-30)[..., None]
 
         blocks = jax.lax.map(query_block, jnp.arange(tp // cq))  # [Tp / cq, B, K, G, cq, H]

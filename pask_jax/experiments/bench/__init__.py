@@ -4,6 +4,7 @@
 - `decode`: prefill and decode throughput of the engine vs transformers' `generate` (needs torch, transformers).
 - `kernel`: decode-step attention time vs KV capacity (XLA reference, compacted pool, Pallas kernels).
 - `cache`: KV-cache bytes vs budget for a model preset, from shapes alone.
+- `prefill`: chunked prefill against one pass: seconds, XLA and process peak memory, the kept entries.
 - `compile`: lowering and compile seconds per step executable, cold and warm XLA cache; time to the first answer.
 - `entrypoints`: `pask-jax run` against `pask-jax bfcl` on the same BFCL items (tokens/s, same calls).
 - `schemas`: JSON Schema coverage on pinned external suites, our grammar next to xgrammar and llguidance.
@@ -21,6 +22,7 @@ BENCHMARKS = {
     "decode": "prefill / decode throughput vs transformers' generate",
     "kernel": "decode-step attention time vs KV capacity",
     "cache": "KV-cache bytes vs budget, from shapes alone",
+    "prefill": "chunked prefill vs one pass: seconds, peak memory, kept entries",
     "compile": "compile seconds per step executable, cold and warm XLA cache; time to first answer",
     "entrypoints": "`run` vs `bfcl` tokens/s on the same items",
     "schemas": "JSON Schema coverage on external suites, vs xgrammar and llguidance",

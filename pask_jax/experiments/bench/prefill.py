@@ -1,0 +1,174 @@
+"""Chunked prefill against one pass over the prompt: seconds, XLA memory, process peak memory, and what is kept.
+
+    pask-jax bench prefill [--model qwen2.5-coder-0.5b] [--methods full,snapkv,h2o] [--budget 0.33]
+                           [--prompt-tokens 2048,8192,16384] [--chunk 2048] [--repeats 1]
+                           [--out results/bench_prefill.json]
+
+Per (prompt length, method), in one process, both sides on the same random prompt of exactly that many tokens
+(batch 1, a seeded draw from the vocabulary; speed and memory do not depend on the content): the engine with
+`prefill_chunk=--chunk` and with one pass (`prefill_chunk` = the prompt length). Each side's prefill executable is
+lowered and compiled (seconds, and XLA's memory analysis: temp = the scratch beyond weights and caches), then run
+once untimed and --repeats times timed (the median is reported). The process's peak resident memory (`VmHWM`, reset
+before each side through /proc/self/clear_refs on Linux) is read after the side's runs: the weights plus the
+prefill's peak. Kept entries: the share of (layer, KV head) cache entries that both sides keep, and the largest
+difference of the last-token logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from pask_jax.experiments.bench.machine import code_state, machine_info
+
+DEFAULT_METHODS = ("full", "snapkv", "h2o")
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak resident set size (Linux); False where it cannot be."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mib() -> float | None:
+    """Peak resident memory since the last reset, MiB (Linux `VmHWM`); None elsewhere."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+    return round(int(line.split()[1]) / 1024, 1)
+
+
+def kept_positions(caches) -> list[np.ndarray]:
+    """Per layer group: the prompt positions kept in each (layer, row, KV head), sorted, free slots as -1."""
+    out = []
+    for cache in caches:
+        pos = np.asarray(cache.pos)
+        live = np.arange(cache.capacity) < np.asarray(cache.length)[..., None]
+        out.append(np.sort(np.where(live, np.take_along_axis(pos, np.asarray(cache.table), -1), -1), -1))
+    return out
+
+
+def run_side(engine, tokens: np.ndarray, capacities, repeats: int) -> tuple[dict, tuple]:
+    """Compile, warm up and time one engine's prefill of `tokens` -> (figures, (logits, caches) of the last run)."""
+    lengths = np.full(tokens.shape[0], tokens.shape[1], np.int32)
+    roles = np.zeros_like(tokens)
+    shape = engine.batch_shape([tokens.shape[1]] * tokens.shape[0], 64)
+    reset_peak_rss()
+    start = time.perf_counter()
+    lowered = engine.lower_prefill(shape)
+    lower_s = time.perf_counter() - start
+    start = time.perf_counter()
+    analysis = lowered.compile().memory_analysis()
+    compile_s = time.perf_counter() - start
+    out = engine.prefill(tokens, lengths, roles, capacities)
+    jax.block_until_ready(out)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = engine.prefill(tokens, lengths, roles, capacities)
+        jax.block_until_ready(out)
+        seconds.append(time.perf_counter() - start)
+    prefill_s = statistics.median(seconds)
+    figures = {
+        "lower_s": round(lower_s, 3),
+        "compile_s": round(compile_s, 3),
+        "prefill_s": round(prefill_s, 3),
+        "prefill_s_all": [round(s, 3) for s in seconds],
+        "tokens_per_s": round(tokens.size / prefill_s, 1),
+        "xla_temp_mib": round(analysis.temp_size_in_bytes / 2**20, 1),
+        "xla_argument_mib": round(analysis.argument_size_in_bytes / 2**20, 1),
+        "peak_rss_mib": peak_rss_mib(),
+    }
+    return figures, (out[0], out[1])
+
+
+def run(args: argparse.Namespace) -> dict:
+    from pask_jax.factory import make_engine
+    from pask_jax.llm import LLM
+
+    model = LLM(args.model, method="full").model
+    rng = np.random.default_rng(0)
+    result: dict = {
+        "benchmark": "prefill",
+        "model": args.model,
+        "budget": args.budget,
+        "chunk": args.chunk,
+        "repeats": args.repeats,
+        "machine": machine_info(),
+        "code": code_state(),
+        "rows": [],
+    }
+    for prompt_tokens in args.prompt_tokens:
+        tokens = rng.integers(0, model.config.vocab_size, (1, prompt_tokens), dtype=np.int32)
+        for method in args.methods:
+            budget = 1.0 if method == "full" else args.budget
+            row: dict = {"method": method, "prompt_tokens": prompt_tokens}
+            outputs = {}
+            for side, chunk in (("chunked", args.chunk), ("one_pass", prompt_tokens)):
+                engine = make_engine(model, method, budget, prefill_chunk=chunk)
+                capacities = engine.capacities(engine.batch_shape([prompt_tokens], 64).prompt_bucket, 64)
+                row[side], outputs[side] = run_side(engine, tokens, capacities, args.repeats)
+                jax.clear_caches()
+            (logits_a, caches_a), (logits_b, caches_b) = outputs["chunked"], outputs["one_pass"]
+            same = [
+                (a == b) & (a >= 0) for a, b in zip(kept_positions(caches_a), kept_positions(caches_b), strict=True)
+            ]
+            live = sum(int((a >= 0).sum()) for a in kept_positions(caches_b))
+            row["kept_agreement"] = round(sum(int(s.sum()) for s in same) / max(live, 1), 6)
+            row["logits_max_abs_diff"] = float(np.abs(np.asarray(logits_a) - np.asarray(logits_b)).max())
+            result["rows"].append(row)
+            c, o = row["chunked"], row["one_pass"]
+            print(
+                f"{method:>8} P={prompt_tokens:<6} chunked {c['prefill_s']:7.2f}s temp {c['xla_temp_mib']:7.1f} MiB "
+                f"rss {c['peak_rss_mib']} | one pass {o['prefill_s']:7.2f}s temp {o['xla_temp_mib']:7.1f} MiB rss "
+                f"{o['peak_rss_mib']} | kept agree {row['kept_agreement']:.4f}",
+                flush=True,
+            )
+            if args.out:  # written after every row: an interrupted run keeps what it measured
+                result["loadavg_end"] = list(os.getloadavg())
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pask-jax bench prefill", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="registered name or checkpoint path")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated methods")
+    p.add_argument("--budget", type=float, default=0.33, help="KV budget of the compressed methods")
+    p.add_argument("--prompt-tokens", type=_ints, default=(2048, 8192, 16384), help="prompt lengths (comma-separated)")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk of the chunked side")
+    p.add_argument("--repeats", type=int, default=1, help="timed prefills per side")
+    p.add_argument("--out", help="results JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from pask_jax.methods import METHODS
+
+    args.methods = tuple(args.methods.split(","))
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    if not 0.0 < args.budget <= 1.0:
+        parser.error(f"--budget {args.budget} must be in (0, 1]")
+    if args.chunk < 1 or args.repeats < 1 or min(args.prompt_tokens) < 1:
+        parser.error("--chunk, --repeats and every --prompt-tokens must be >= 1")
+    return run(args)
