@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pask_jax.checkpoint import Checkpoint
-from pask_jax.engine import Engine, Generation, SamplingConfig
+from pask_jax.engine import PREFILL_CHUNK, Engine, Generation, SamplingConfig
 from pask_jax.factory import make_engine
 from pask_jax.methods import METHODS
 from pask_jax.models.chat_template import ChatTemplate
@@ -80,11 +80,14 @@ class LLM:
         overlap_grammar: bool | None = None,
         max_prefill_rows: int | None = None,
         grammar_backend: str = "outlines",
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         if max_prefill_rows is not None and max_prefill_rows < 1:
             raise ValueError(f"max_prefill_rows={max_prefill_rows} must be >= 1")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1")
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose from {', '.join(SCHEDULERS)}")
         if method not in METHODS:
@@ -115,7 +118,9 @@ class LLM:
         )
         self.max_batch, self.kv_memory_bytes = max_batch, kv_memory_bytes
         self.scheduler, self.overlap_grammar, self.max_prefill_rows = scheduler, overlap_grammar, max_prefill_rows
-        self._engine_options = dict(num_groups=num_groups, use_kernel=use_kernel, overrides=method_overrides)
+        self._engine_options = dict(
+            num_groups=num_groups, use_kernel=use_kernel, overrides=method_overrides, prefill_chunk=prefill_chunk
+        )
         self._engine: Engine | None = None
 
     @property

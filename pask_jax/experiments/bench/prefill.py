@@ -8,10 +8,10 @@ Per (prompt length, method), in one process, both sides on the same random promp
 (batch 1, a seeded draw from the vocabulary; speed and memory do not depend on the content): the engine with
 `prefill_chunk=--chunk` and with one pass (`prefill_chunk` = the prompt length). Each side's prefill executable is
 lowered and compiled (seconds, and XLA's memory analysis: temp = the scratch beyond weights and caches), then run
-once untimed and --repeats times timed (the median is reported). The process's peak resident memory (`VmHWM`, reset
-before each side through /proc/self/clear_refs on Linux) is read after the side's runs: the weights plus the
-prefill's peak. Kept entries: the share of (layer, KV head) cache entries that both sides keep, and the largest
-difference of the last-token logits.
+--repeats times timed (the median is reported; the runs reuse the compiled executable). The process's peak
+resident memory (`VmHWM`, reset before each side through /proc/self/clear_refs on Linux) is read after the side's
+runs: the weights plus the prefill's peak. Kept entries: the share of (layer, KV head) cache entries that both
+sides keep, and the largest difference of the last-token logits.
 """
 
 from __future__ import annotations
@@ -71,8 +71,6 @@ def run_side(engine, tokens: np.ndarray, capacities, repeats: int) -> tuple[dict
     start = time.perf_counter()
     analysis = lowered.compile().memory_analysis()
     compile_s = time.perf_counter() - start
-    out = engine.prefill(tokens, lengths, roles, capacities)
-    jax.block_until_ready(out)
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
