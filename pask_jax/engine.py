@@ -549,12 +549,21 @@ class Engine:
         sharding = None if self.mesh is None else NamedSharding(self.mesh, P(DATA))
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
 
-    def lower_prefill(self, shape: BatchShape) -> jax.stages.Lowered:
-        """Lower the jitted prefill for `shape`, with the abstract arguments `prefill` gives it."""
+    def lower_prefill(self, shape: BatchShape, others: Sequence[Engine] = ()) -> jax.stages.Lowered:
+        """Lower the jitted prefill for `shape`, with the abstract arguments `prefill` gives it; with `others`
+        (engines over the same model), the one prefill `generate_shared` runs for all of them."""
         b, t = shape.padded_rows, shape.prompt_bucket
+        engines = (self, *others)
         grid = self._abstract_rows((b, t))  # padded prompt tokens, roles and tools: i32[B, T]
+        capacities = tuple(e.capacities(shape.prompt_bucket, shape.new_token_bucket) for e in engines)
         return _prefill.lower(
-            (self.plan,), self._abstract_params(), grid, self._abstract_rows((b,)), grid, grid, (shape.capacities,)
+            tuple(e.plan for e in engines),
+            self._abstract_params(),
+            grid,
+            self._abstract_rows((b,)),
+            grid,
+            grid,
+            capacities,
         )
 
     def _abstract_params(self):

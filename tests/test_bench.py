@@ -416,3 +416,26 @@ def test_compile_bench_times_each_step_and_warm_compiles_load_from_the_cache(tmp
     full, h2o = (r["cold"]["prefill"] for r in result["steps"][2:])
     assert full["output_mib"] > h2o["output_mib"]  # full KV's prefill hands over the whole cache
     assert "first_answer" not in result  # the tiny model has no tokenizer
+
+
+def test_compile_bench_times_a_sweep_as_one_shared_prefill_and_a_decode_per_method(tmp_path):
+    """--shared: one prefill executable for all the methods (labelled variants from --method-config among them), a
+    decode step per method; the warm pass loads every one of them from the cache."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "variants.toml"
+    config.write_text('["h2o:r25"]\nrecent_fraction = 0.25\n')
+    out = tmp_path / "sweep.json"
+    methods = "full,h2o,h2o:r25,snapkv"
+    args = ["--model", "tiny", "--methods", methods, "--prompt-tokens", "64", "--shared", "--out", str(out)]
+    compile_bench = [sys.executable, "-m", "pask_jax.experiments.bench", "compile"]
+    subprocess.run([*compile_bench, *args, "--method-config", str(config)], check=True, capture_output=True)
+    (row,) = json.loads(out.read_text())["steps"]
+    assert row["methods"] == methods.split(",") and row["prompt_tokens"] == 64
+    cold, warm = row["cold"], row["warm"]
+    assert list(cold["decode"]) == methods.split(",") and cold["prefill"]["compile_s"] > 0
+    assert cold["total_s"] >= cold["prefill"]["compile_s"] + sum(d["compile_s"] for d in cold["decode"].values())
+    assert warm["cache_hits"] == 1 + len(methods.split(",")) and all(d["cache_hit"] for d in warm["decode"].values())
+    refused = subprocess.run([*compile_bench, *args], capture_output=True, text=True)  # h2o:r25 has no section here
+    assert refused.returncode == 2 and "'h2o:r25'" in refused.stderr

@@ -3,6 +3,7 @@ to the first answer from a loaded model.
 
     pask-jax bench compile [--model qwen2.5-coder-0.5b] [--methods full,snapkv,h2o,dapq,pask] [--budget 0.33]
                            [--prompt-tokens 512,2048] [--batch 1] [--new-tokens 64] [--out results/bench_compile.json]
+                           [--shared] [--method-config TOML] [--policy [LABEL=]PATH ...]
 
 Everything runs in one process with a fresh, empty persistent XLA cache (a temporary `jax_compilation_cache_dir`,
 every executable cached whatever its compile time):
@@ -16,6 +17,12 @@ every executable cached whatever its compile time):
    compile, cold); then, after `jax.clear_caches()`, lowered and compiled again (warm: the compile loads the
    executable from the persistent cache). `cache_hits` counts the persistent-cache hits JAX reports for that step;
    each executable's XLA memory analysis (temp, argument and output MiB) is recorded beside its times.
+   With --shared, the steps a method sweep compiles (`pask-jax bfcl --methods A,B,...`: `generate_shared`): one
+   prefill executable for all the methods, then each method's decode step (a method whose decode is another's
+   executable is a cache hit), with the total per prompt length.
+
+Methods are specs as the sweeps name them (`NAME` or `NAME:LABEL`): labelled variants from --method-config, PASK's
+policies from --policy (LABEL=PATH; unlabelled: the policy of `pask`); `pask` without one runs the shipped policy.
 
 `--model tiny` runs a random 2-layer model (no tokenizer: no first-answer figure), for tests.
 """
@@ -59,19 +66,44 @@ def _timed(fn):
     return out, round(time.perf_counter() - start, 3)
 
 
+def _lower_and_compile(lower) -> tuple[dict, jax.stages.Compiled]:
+    lowered, lower_s = _timed(lower)
+    compiled, compile_s = _timed(lowered.compile)
+    return {"lower_s": lower_s, "compile_s": compile_s, **memory_mib(compiled)}, compiled
+
+
 def step_times(engine, prompt_tokens: int, batch: int, new_tokens: int) -> dict:
     """Lowering and compile seconds of the prefill and decode executables for one shape (the cache state as it is)."""
     shape = engine.batch_shape([prompt_tokens] * batch, new_tokens)
     hits = _cache_hits[0]
-    prefill, prefill_lower_s = _timed(lambda: engine.lower_prefill(shape))
-    decode, decode_lower_s = _timed(lambda: engine.lower_decode(shape))
-    prefill_exe, prefill_compile_s = _timed(prefill.compile)
-    decode_exe, decode_compile_s = _timed(decode.compile)
+    prefill, _ = _lower_and_compile(lambda: engine.lower_prefill(shape))
+    decode, _ = _lower_and_compile(lambda: engine.lower_decode(shape))
     return {
-        "prefill": {"lower_s": prefill_lower_s, "compile_s": prefill_compile_s, **memory_mib(prefill_exe)},
-        "decode": {"lower_s": decode_lower_s, "compile_s": decode_compile_s, **memory_mib(decode_exe)},
+        "prefill": prefill,
+        "decode": decode,
         "cache_hits": _cache_hits[0] - hits,
         "shape": {"rows": shape.padded_rows, "prompt_bucket": shape.prompt_bucket, "capacities": shape.capacities},
+    }
+
+
+def sweep_times(engines: dict, prompt_tokens: int, batch: int, new_tokens: int) -> dict:
+    """What a sweep over `engines` compiles for one shape: the shared prefill, then each method's decode step."""
+    first, *others = engines.values()
+    shape = first.batch_shape([prompt_tokens] * batch, new_tokens)
+    start, hits = time.perf_counter(), _cache_hits[0]
+    prefill, _ = _lower_and_compile(lambda: first.lower_prefill(shape, others))
+    decodes = {}
+    for spec, engine in engines.items():
+        before = _cache_hits[0]
+        own = engine.batch_shape([prompt_tokens] * batch, new_tokens)
+        decodes[spec], _ = _lower_and_compile(lambda engine=engine, own=own: engine.lower_decode(own))
+        decodes[spec]["cache_hit"] = _cache_hits[0] > before
+    return {
+        "prefill": prefill,
+        "decode": decodes,
+        "total_s": round(time.perf_counter() - start, 3),
+        "cache_hits": _cache_hits[0] - hits,
+        "shape": {"rows": shape.padded_rows, "prompt_bucket": shape.prompt_bucket},
     }
 
 
@@ -94,12 +126,15 @@ def first_answer(llm, request: dict) -> dict:
     return {"seconds": seconds, "tool_calls": len(message.get("tool_calls") or []), "ttft_s": answer["pask"]["ttft_s"]}
 
 
-def load(model: str, methods: tuple[str, ...], budget: float):
-    """model -> ({method: engine}, LLM or None); the engines share the LLM's loaded weights."""
+def load(model: str, specs: dict, budget: float):
+    """model, {spec: MethodSpec} -> ({spec: engine}, LLM or None); the engines share the LLM's loaded weights, and
+    PASK without a policy of its own runs the LLM's (the shipped one)."""
     from pask_jax.factory import make_engine
 
-    def budget_of(method: str) -> float:  # full KV keeps everything: its budget is 1
-        return 1.0 if method == "full" else budget
+    def engine(qwen, spec, shipped=None):
+        full = spec.name == "full"  # full KV keeps everything: its budget is 1
+        policy = spec.policy or (shipped if spec.name == "pask" else None)
+        return make_engine(qwen, spec.name, 1.0 if full else budget, policy=policy, overrides=dict(spec.overrides))
 
     if model == TINY:
         from flax import nnx
@@ -107,29 +142,44 @@ def load(model: str, methods: tuple[str, ...], budget: float):
         from pask_jax.models.qwen3 import ModelConfig, Qwen3
 
         qwen = Qwen3(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(0))
-        return {m: make_engine(qwen, m, budget_of(m)) for m in methods}, None
+        return {name: engine(qwen, spec) for name, spec in specs.items()}, None
     from pask_jax.llm import LLM
 
     llm = LLM(model, method="pask", budget=budget)
-    engines = {m: make_engine(llm.model, m, budget_of(m), policy=llm.policy if m == "pask" else None) for m in methods}
-    return engines, llm
+    return {name: engine(llm.model, spec, llm.policy) for name, spec in specs.items()}, llm
+
+
+def _print_steps(label: str, prompt_tokens: int, cold: dict, warm: dict) -> None:
+    decode_cold = cold["decode"]
+    if "total_s" in cold:  # a sweep: the decode figures summed over its methods
+        decode_cold = {k: sum(d[k] for d in cold["decode"].values()) for k in ("lower_s", "compile_s")}
+    print(
+        f"{label:>10} P={prompt_tokens:<6} prefill lower {cold['prefill']['lower_s']:6.2f}s compile "
+        f"{cold['prefill']['compile_s']:6.2f}s (warm {warm['prefill']['compile_s']:.2f}s) | decode lower "
+        f"{decode_cold['lower_s']:6.2f}s compile {decode_cold['compile_s']:6.2f}s",
+        flush=True,
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
     cache = Path(tempfile.mkdtemp(prefix="pask-jax-xla-"))
     use_fresh_cache(cache)
-    engines, llm = load(args.model, args.methods, args.budget)
+    engines, llm = load(args.model, args.specs, args.budget)
     result: dict = {
         "benchmark": "compile",
         "model": args.model,
         "budget": args.budget,
         "batch": args.batch,
         "new_tokens": args.new_tokens,
+        "shared": args.shared,
+        "methods": list(args.specs),
+        "method_config": args.method_config,
+        "policies": args.policy or [],
         "machine": machine_info(),
         "code": code_state(),
         "xla_cache_dir": str(cache),
     }
-    if llm is not None:
+    if llm is not None and not args.shared:  # a sweep has no first answer; its cache would hold this one's steps
         lines = Path(args.requests).read_text().splitlines()
         request = json.loads(next(line for line in lines if line.strip()))["body"]
         result["first_answer"] = {"request": args.requests, "method": "pask", "budget": args.budget}
@@ -138,18 +188,20 @@ def run(args: argparse.Namespace) -> dict:
         result["first_answer"]["warm"] = first_answer(llm, request)
     rows = []
     for prompt_tokens in args.prompt_tokens:
+        if args.shared:
+            cold = sweep_times(engines, prompt_tokens, args.batch, args.new_tokens)
+            jax.clear_caches()
+            warm = sweep_times(engines, prompt_tokens, args.batch, args.new_tokens)
+            rows.append({"methods": list(engines), "prompt_tokens": prompt_tokens, "cold": cold, "warm": warm})
+            _print_steps(f"{len(engines)} methods", prompt_tokens, cold, warm)
+            print(f"{'':>10} total cold {cold['total_s']:.1f}s, warm {warm['total_s']:.1f}s", flush=True)
+            continue
         for method, engine in engines.items():
             cold = step_times(engine, prompt_tokens, args.batch, args.new_tokens)
             jax.clear_caches()
             warm = step_times(engine, prompt_tokens, args.batch, args.new_tokens)
             rows.append({"method": method, "prompt_tokens": prompt_tokens, "cold": cold, "warm": warm})
-            print(
-                f"{method:>10} P={prompt_tokens:<6} prefill lower {cold['prefill']['lower_s']:6.2f}s compile "
-                f"{cold['prefill']['compile_s']:6.2f}s (warm {warm['prefill']['compile_s']:.2f}s) | decode lower "
-                f"{cold['decode']['lower_s']:6.2f}s compile {cold['decode']['compile_s']:6.2f}s (warm "
-                f"{warm['decode']['compile_s']:.2f}s)",
-                flush=True,
-            )
+            _print_steps(method, prompt_tokens, cold, warm)
     result["steps"] = rows
     result["loadavg_end"] = list(os.getloadavg())
     if args.out:
@@ -172,18 +224,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens the caches are sized for")
     p.add_argument("--requests", default="examples/requests.jsonl", help="OpenAI Batch lines: the first is answered")
     p.add_argument("--out", help="results JSON")
+    p.add_argument("--shared", action="store_true", help="one prefill for all the methods, as a sweep compiles it")
+    p.add_argument("--method-config", help="TOML of method variants and overrides, on top of configs/methods.toml")
+    p.add_argument("--policy", action="append", help="[LABEL=]PATH: a compiled PASK policy for pask:LABEL (repeatable)")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from pask_jax.methods import METHODS
+    from pask_jax.factory import resolve_spec
+    from pask_jax.methods import load_method_config
+    from pask_jax.policy import PersistencePolicy
 
-    args.methods = tuple(args.methods.split(","))
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown:
-        parser.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    if args.method_config and not Path(args.method_config).is_file():
+        parser.error(f"--method-config {args.method_config}: no such file")
+    method_config = load_method_config(args.method_config)
+    policies = {}
+    for entry in args.policy or []:
+        label, _, path = entry.rpartition("=")
+        if not Path(path).is_dir():
+            parser.error(f"--policy {entry}: no policy directory {path}")
+        policies[label or "pask"] = PersistencePolicy.load(path)
+    try:
+        args.specs = {spec: resolve_spec(spec, method_config, policies) for spec in args.methods.split(",")}
+        for spec in args.specs.values():
+            if spec.policy is not None:
+                spec.policy.table(args.budget)  # a policy that cannot answer the budget: before the model loads
+    except ValueError as error:
+        parser.error(str(error))
     if not 0.0 < args.budget <= 1.0:
         parser.error(f"--budget {args.budget} must be in (0, 1]")
     if args.model != TINY and not Path(args.requests).is_file():
