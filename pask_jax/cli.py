@@ -127,6 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             scheduler=args.scheduler,
             max_prefill_rows=args.prefill_rows,
             grammar_backend=args.grammar_backend,
+            **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}),
             **options,
         )
 
@@ -275,6 +276,12 @@ def main(argv: list[str] | None = None) -> None:
         help="weights, activations and KV cache (auto: bfloat16 on TPU / GPU, float32 on CPU)",
     )
     p.add_argument("--mesh", help="DATAxMODEL mesh of this process's devices, e.g. 8x1 or 4x2 (default: one device)")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int_at_least(1),
+        help="prompts longer than this many tokens are prefilled in equal chunks of at most this many (default: "
+        "pask_jax.engine.PREFILL_CHUNK, 2048): prefill memory follows the chunk, not the prompt",
+    )
     p.add_argument(
         "--grammar-backend",
         type=grammar_backend,

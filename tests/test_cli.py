@@ -145,6 +145,7 @@ def test_run_refuses_bad_paths_and_settings_before_the_model(tmp_path: Path, req
         "argument --budget: budget 0 must be in (0, 1]": [*run, "--budget", "0"],
         "argument --max-batch": [*run, "--max-batch", "0"],
         "argument --prefill-rows": [*run, "--prefill-rows", "-1"],
+        "argument --prefill-chunk": [*run, "--prefill-chunk", "0"],
         "argument --kv-memory-mb": [*run, "--kv-memory-mb", "0"],
         "--method-config": [*run, "--method-config", str(tmp_path / "missing.toml")],
         "argument --grammar-backend: unknown grammar backend 'xgrammar'": [*run, "--grammar-backend", "xgrammar"],
