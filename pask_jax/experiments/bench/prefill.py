@@ -10,8 +10,10 @@ Per (prompt length, method), in one process, both sides on the same random promp
 lowered and compiled (seconds, and XLA's memory analysis: temp = the scratch beyond weights and caches), then run
 --repeats times timed (the median is reported; the runs reuse the compiled executable). The process's peak
 resident memory (`VmHWM`, reset before each side through /proc/self/clear_refs on Linux) is read after the side's
-runs: the weights plus the prefill's peak. Kept entries: the share of (layer, KV head) cache entries that both
-sides keep, and the largest difference of the last-token logits.
+runs: the weights plus the prefill's peak; `peak_rss_over_start_mib` is that peak less the resident memory at the
+reset (the model, and the outputs the side before still holds), what the side's compile and prefill added. Kept
+entries: the share of (layer, KV head) cache entries that both sides keep, and the largest difference of the
+last-token logits.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_rss_mib() -> float | None:
-    """Peak resident memory since the last reset, MiB (Linux `VmHWM`); None elsewhere."""
+def rss_mib(field: str = "VmHWM") -> float | None:
+    """This process's resident memory in MiB from /proc/self/status (Linux): `VmHWM` its peak since the last reset,
+    `VmRSS` now; None elsewhere."""
     try:
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
     except (OSError, StopIteration):
         return None
     return round(int(line.split()[1]) / 1024, 1)
@@ -65,6 +68,7 @@ def run_side(engine, tokens: np.ndarray, capacities, repeats: int) -> tuple[dict
     roles = np.zeros_like(tokens)
     shape = engine.batch_shape([tokens.shape[1]] * tokens.shape[0], 64)
     reset_peak_rss()
+    rss_start = rss_mib("VmRSS")  # the model, and what the side before still holds
     start = time.perf_counter()
     lowered = engine.lower_prefill(shape)
     lower_s = time.perf_counter() - start
@@ -86,7 +90,9 @@ def run_side(engine, tokens: np.ndarray, capacities, repeats: int) -> tuple[dict
         "tokens_per_s": round(tokens.size / prefill_s, 1),
         "xla_temp_mib": round(analysis.temp_size_in_bytes / 2**20, 1),
         "xla_argument_mib": round(analysis.argument_size_in_bytes / 2**20, 1),
-        "peak_rss_mib": peak_rss_mib(),
+        "peak_rss_mib": (peak := rss_mib()),
+        "rss_start_mib": rss_start,
+        "peak_rss_over_start_mib": None if peak is None or rss_start is None else round(peak - rss_start, 1),
     }
     return figures, (out[0], out[1])
 
@@ -129,8 +135,9 @@ def run(args: argparse.Namespace) -> dict:
             c, o = row["chunked"], row["one_pass"]
             print(
                 f"{method:>8} P={prompt_tokens:<6} chunked {c['prefill_s']:7.2f}s temp {c['xla_temp_mib']:7.1f} MiB "
-                f"rss {c['peak_rss_mib']} | one pass {o['prefill_s']:7.2f}s temp {o['xla_temp_mib']:7.1f} MiB rss "
-                f"{o['peak_rss_mib']} | kept agree {row['kept_agreement']:.4f}",
+                f"rss +{c['peak_rss_over_start_mib']} | one pass {o['prefill_s']:7.2f}s temp "
+                f"{o['xla_temp_mib']:7.1f} MiB rss +{o['peak_rss_over_start_mib']} | kept agree "
+                f"{row['kept_agreement']:.4f}",
                 flush=True,
             )
             if args.out:  # written after every row: an interrupted run keeps what it measured
