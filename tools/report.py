@@ -1122,6 +1122,57 @@ def bench_decode(root: Path, file: str = "results/bench_decode.json") -> str:
     return _block(claim, _table(head, rows))
 
 
+def bench_prefill(
+    root: Path, files: Sequence[str] = ("results/bench_prefill.json", "results/bench_prefill_16k.json")
+) -> str:
+    """Chunked prefill against one pass, per (prompt length, method), from `pask-jax bench prefill` files."""
+    rows, chunk = [], None
+    for file in files:
+        result = load_json(root, file)
+        chunk = result["chunk"]
+        for r in result["rows"]:
+            c, o = r["chunked"], r["one_pass"]
+            rows.append(
+                [
+                    r["prompt_tokens"],
+                    r["method"],
+                    f"{c['prefill_s']:.1f} / {o['prefill_s']:.1f}",
+                    f"{c['tokens_per_s']:.0f} / {o['tokens_per_s']:.0f}",
+                    f"{c['compile_s']:.1f} / {o['compile_s']:.1f}",
+                    f"{c['xla_temp_mib']:.0f} / {o['xla_temp_mib']:.0f}",
+                    f"{c['peak_rss_over_start_mib']:.0f} / {o['peak_rss_over_start_mib']:.0f}",
+                    f"{c['peak_rss_mib']:.0f} / {o['peak_rss_mib']:.0f}",
+                    f"{r['kept_agreement']:.4f}",
+                    f"{r['logits_max_abs_diff']:.1e}",
+                ]
+            )
+    longest = max(rows, key=lambda row: row[0])[0]
+    at_longest = [row for row in rows if row[0] == longest]
+    claim = (
+        f"Prefill in chunks of {chunk} positions against one pass over the prompt (0.5B model, batch 1): at {longest} "
+        "tokens, seconds "
+        + "; ".join(f"{row[1]} {row[2]}" for row in at_longest)
+        + ", XLA scratch MiB "
+        + "; ".join(f"{row[1]} {row[5]}" for row in at_longest)
+        + ", and the same kept entries ("
+        + ", ".join(row[8] for row in rows)
+        + " of them agree)."
+    )
+    head = [
+        "prompt tokens",
+        "method",
+        "prefill s, chunked / one pass",
+        "tokens/s",
+        "compile s",
+        "XLA temp MiB",
+        "peak RSS over start MiB",
+        "peak RSS MiB",
+        "kept entries agreeing",
+        "logits max abs diff",
+    ]
+    return _block(claim, _table(head, rows))
+
+
 def bench_kernel(root: Path) -> str:
     result = load_json(root, "results/bench_kernel.json")
     rows = []
@@ -1414,6 +1465,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "niah_qwen05b": niah_qwen05b,
     "niah_pooling_probe": niah_pooling_probe,
     "bench_kernel": bench_kernel,
+    "bench_prefill": bench_prefill,
     "real_parity": real_parity,
     "real_parity_1_5b": functools.partial(real_parity, file="results/real_parity_qwen2.5-coder-1.5b.json"),
     "cache_bytes": cache_bytes,

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import jax
 
-from pask_jax.experiments.bench.machine import code_state, machine_info
+from pask_jax.experiments.bench.machine import code_state, int_list, machine_info, write_result
 
 TINY = "tiny"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -203,15 +202,9 @@ def run(args: argparse.Namespace) -> dict:
             rows.append({"method": method, "prompt_tokens": prompt_tokens, "cold": cold, "warm": warm})
             _print_steps(method, prompt_tokens, cold, warm)
     result["steps"] = rows
-    result["loadavg_end"] = list(os.getloadavg())
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_result(args.out, result)
     return result
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="registered name, checkpoint path, or 'tiny'")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated methods")
     p.add_argument("--budget", type=float, default=0.33, help="KV budget of the compressed methods")
-    p.add_argument("--prompt-tokens", type=_ints, default=(512, 2048), help="prompt lengths (comma-separated)")
+    p.add_argument("--prompt-tokens", type=int_list, default=(512, 2048), help="prompt lengths (comma-separated)")
     p.add_argument("--batch", type=int, default=1, help="prompts per batch")
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens the caches are sized for")
     p.add_argument("--requests", default="examples/requests.jsonl", help="OpenAI Batch lines: the first is answered")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import platform
 import subprocess
@@ -71,6 +72,18 @@ def code_state() -> dict:
         "dirty_package_files": git("status", "--porcelain", "--", PACKAGE.name).splitlines(),
         "engine_py_sha256": hashlib.sha256((PACKAGE / "engine.py").read_bytes()).hexdigest()[:16],
     }
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers (an argparse `type=`)."""
+    return tuple(int(x) for x in text.split(","))
+
+
+def write_result(out: str | Path, result: dict) -> None:
+    """Write a benchmark's JSON (the parent directory made if missing), the machine's load at the end beside it."""
+    result["loadavg_end"] = list(os.getloadavg())
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 _compiles = [0]

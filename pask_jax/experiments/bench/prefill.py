@@ -19,8 +19,6 @@ last-token logits.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from pask_jax.experiments.bench.machine import code_state, machine_info
+from pask_jax.experiments.bench.machine import code_state, int_list, machine_info, write_result
 
 DEFAULT_METHODS = ("full", "snapkv", "h2o")
 
@@ -141,14 +139,8 @@ def run(args: argparse.Namespace) -> dict:
                 flush=True,
             )
             if args.out:  # written after every row: an interrupted run keeps what it measured
-                result["loadavg_end"] = list(os.getloadavg())
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+                write_result(args.out, result)
     return result
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="registered name or checkpoint path")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated methods")
     p.add_argument("--budget", type=float, default=0.33, help="KV budget of the compressed methods")
-    p.add_argument("--prompt-tokens", type=_ints, default=(2048, 8192, 16384), help="prompt lengths (comma-separated)")
+    p.add_argument(
+        "--prompt-tokens", type=int_list, default=(2048, 8192, 16384), help="prompt lengths (comma-separated)"
+    )
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk of the chunked side")
     p.add_argument("--repeats", type=int, default=1, help="timed prefills per side")
     p.add_argument("--out", help="results JSON")
