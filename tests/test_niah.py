@@ -159,6 +159,7 @@ def test_a_run_answers_every_cell_obeys_the_json_schema_and_resumes(
             assert cell["budget"] == 1.0 and cell["kept_ratio_max"] == 1.0
         else:
             assert cell["kept_ratio_max"] <= 0.1 + 0.02  # the budget plus the token being written
+        assert cell["ttft_s"] > 0 and cell["decode_s"] >= 0
     assert json.loads(out.read_text()) == result
     rows = {(s["method"], s["mode"]): s for s in result["summary"]}
     assert rows[("dapq", "json")]["n"] == 2 and set(rows) == {(m, x) for m in cfg.methods for x in cfg.modes}

@@ -543,6 +543,8 @@ def _cell(prompt: NiahPrompt, method: str, budget: float, mode: str, gen, tokeni
         "depth_actual": round(prompt.depth_actual, 2),
         "generated_tokens": gen.stats.generated_tokens,
         "finish_reason": gen.finish_reason,
+        "ttft_s": round(gen.stats.ttft_s, 3),  # the batch's shared prefill (with its compile on a new shape)
+        "decode_s": round(sum(gen.stats.token_times_s), 3),
     }
 
 

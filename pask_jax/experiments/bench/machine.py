@@ -80,10 +80,14 @@ def int_list(text: str) -> tuple[int, ...]:
 
 
 def write_result(out: str | Path, result: dict) -> None:
-    """Write a benchmark's JSON (the parent directory made if missing), the machine's load at the end beside it."""
+    """Write a benchmark's JSON, the machine's load at the end beside it: the parent directory made if missing, a
+    temporary file renamed over `out` (an interrupted run never leaves half a file)."""
     result["loadavg_end"] = list(os.getloadavg())
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, out)
 
 
 _compiles = [0]
