@@ -194,16 +194,16 @@ def run(args: argparse.Namespace) -> dict:
             rows.append({"methods": list(engines), "prompt_tokens": prompt_tokens, "cold": cold, "warm": warm})
             _print_steps(f"{len(engines)} methods", prompt_tokens, cold, warm)
             print(f"{'':>10} total cold {cold['total_s']:.1f}s, warm {warm['total_s']:.1f}s", flush=True)
-            continue
-        for method, engine in engines.items():
-            cold = step_times(engine, prompt_tokens, args.batch, args.new_tokens)
-            jax.clear_caches()
-            warm = step_times(engine, prompt_tokens, args.batch, args.new_tokens)
-            rows.append({"method": method, "prompt_tokens": prompt_tokens, "cold": cold, "warm": warm})
-            _print_steps(method, prompt_tokens, cold, warm)
+        else:
+            for method, engine in engines.items():
+                cold = step_times(engine, prompt_tokens, args.batch, args.new_tokens)
+                jax.clear_caches()
+                warm = step_times(engine, prompt_tokens, args.batch, args.new_tokens)
+                rows.append({"method": method, "prompt_tokens": prompt_tokens, "cold": cold, "warm": warm})
+                _print_steps(method, prompt_tokens, cold, warm)
+        if args.out:  # after every length: a run stopped by a later, larger compile keeps what it measured
+            write_result(args.out, result | {"steps": rows})
     result["steps"] = rows
-    if args.out:
-        write_result(args.out, result)
     return result
 
 
