@@ -1005,9 +1005,9 @@ NIAH_PAPER_3PCT = {"dapq": 99.46, "snapkv": 90.97, "pyramidkv": 93.94, "h2o": 66
 NIAH_FILE = "results/niah_qwen2.5-coder-0.5b.json"
 
 
-def niah_qwen05b(root: Path) -> str:
+def niah_qwen05b(root: Path, file: str = NIAH_FILE) -> str:
     """Needle retrieval accuracy per (method, budget) and (haystack, length), JSON answers, beside the paper's 3%."""
-    result = load_json(root, NIAH_FILE)
+    result = load_json(root, file)
     summary = [s for s in result["summary"] if s["mode"] == "json"]
     places = sorted({(s["haystack"], s["length"]) for s in summary}, key=lambda p: (p[1], p[0]))
     depths = {p: sorted({c["depth"] for c in result["cells"] if (c["haystack"], c["length"]) == p}) for p in places}
@@ -1463,6 +1463,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "bench_decode": bench_decode,
     "bench_decode_2k": functools.partial(bench_decode, file="results/bench_decode_2k.json"),
     "niah_qwen05b": niah_qwen05b,
+    "niah_16k": functools.partial(niah_qwen05b, file="results/niah_16k_qwen2.5-coder-0.5b.json"),
     "niah_pooling_probe": niah_pooling_probe,
     "bench_kernel": bench_kernel,
     "bench_prefill": bench_prefill,
