@@ -555,7 +555,8 @@ class Engine:
         b, t = shape.padded_rows, shape.prompt_bucket
         engines = (self, *others)
         grid = self._abstract_rows((b, t))  # padded prompt tokens, roles and tools: i32[B, T]
-        capacities = tuple(e.capacities(shape.prompt_bucket, shape.new_token_bucket) for e in engines)
+        theirs = (e.capacities(shape.prompt_bucket, shape.new_token_bucket) for e in others)
+        capacities = (shape.capacities, *theirs)  # the shape's own (a batcher sizes its cache itself), then the others'
         return _prefill.lower(
             tuple(e.plan for e in engines),
             self._abstract_params(),
