@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pask_jax.experiments.bench.machine import write_result
+
 CHILD = r"""
 import json, sys, time
 from pathlib import Path
@@ -94,8 +96,7 @@ def main() -> None:
                 row[label] = measure(Path(checkout["path"]), args.model, method, args.budget, prompt_tokens)
             print(json.dumps(row), flush=True)
             result["rows"].append(row)
-            result["loadavg_end"] = list(os.getloadavg())
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # after every row: a stopped run keeps it
+            write_result(args.out, result)  # after every row: a stopped run keeps it
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from conftest import synthetic_stats
 from pask_jax import cli
 from pask_jax.calibration.compiler import compile_policy
 from pask_jax.experiments import commands, niah
+from pask_jax.experiments.bench.machine import write_json
 from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.policy import PersistencePolicy
 from pask_jax.requests import RequestBuilder
@@ -178,7 +179,7 @@ def test_a_results_file_of_other_settings_is_refused(tmp_path):
     cfg = niah.NiahConfig(methods=("full", "dapq"), lengths=(256,))
     config = niah.run_config(cfg, "m", "t", {"dapq": {"num_pseudo": 32}}, {})
     path = tmp_path / "r.json"
-    niah.write_result(path, {"model": "m", "config": config, "cells": [], "summary": []})
+    write_json(path, {"model": "m", "config": config, "cells": [], "summary": []})
     assert niah.read_results(path, config) == ([], config["settings"])
     more = dataclasses.replace(cfg, methods=("h2o",))  # another method joins; the file's specs stay recorded
     cells, settings = niah.read_results(path, niah.run_config(more, "m", "t", {"dapq": {"num_pseudo": 32}}, {}))

@@ -42,7 +42,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -53,6 +52,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, SamplingConfig, generate_shared
+from pask_jax.experiments.bench.machine import write_json
 from pask_jax.experiments.bfcl.evaluate import EvalConfig, build_engines
 from pask_jax.factory import resolve_spec
 from pask_jax.methods import METHODS
@@ -610,18 +610,10 @@ def run_niah(
                                 done.add(cell_key(cells[-1]))
                                 progress.update()
                     if out is not None:
-                        write_result(out, result())
+                        write_json(out, result())
             if length != lengths[-1]:  # the next length brings new executables (repeated shapes: the compile cache)
                 jax.clear_caches()
     return result()
-
-
-def write_result(path: Path, result: dict) -> None:
-    """Write atomically (a temporary file renamed over `path`): an interrupted run never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def summarize(cells: Sequence[Mapping]) -> list[dict]:

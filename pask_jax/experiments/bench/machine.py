@@ -79,15 +79,20 @@ def int_list(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
+def write_json(path: str | Path, data: dict) -> None:
+    """Write JSON atomically, the parent directory made if missing: a temporary file renamed over `path`, so an
+    interrupted run never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 def write_result(out: str | Path, result: dict) -> None:
-    """Write a benchmark's JSON, the machine's load at the end beside it: the parent directory made if missing, a
-    temporary file renamed over `out` (an interrupted run never leaves half a file)."""
+    """Write a benchmark's JSON (`write_json`), the machine's load at the end beside it."""
     result["loadavg_end"] = list(os.getloadavg())
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, out)
+    write_json(out, result)
 
 
 _compiles = [0]
