@@ -68,6 +68,9 @@ DEFAULT_LENGTH_BUCKETS = (
 )
 # Prompt positions per prefill chunk: longer prompts run in chunks, so prefill holds one chunk's activations at a time.
 PREFILL_CHUNK = 2048
+# Plans one shared prefill compiles together: each adds its scoring and fill to the executable, and XLA:CPU ran out of
+# memory compiling 27 at a 1024-position bucket, so a larger sweep runs one forward per group of this many.
+PLANS_PER_PREFILL = 9
 NEW_TOKEN_BUCKET = 64  # decode capacity grows in steps of this, so nearby max_new_tokens share a compile
 
 
@@ -752,14 +755,18 @@ def generate_shared(
     prompt_tools: Sequence[Sequence[int] | None] | None = None,
     constraints: Sequence[TokenConstraint | None] | None = None,
     on_steps: Sequence[StepCallback | None] | None = None,
+    plans_per_prefill: int = PLANS_PER_PREFILL,
 ) -> list[list[Generation]]:
     """Generate the same prompts with several engines over one model: one shared prefill, then each decodes.
 
     Returns, per engine, one Generation per prompt. Each engine needs its own constraint (grammar state is per
-    sequence); `on_steps` gives each engine its own step-timing callback (see `Engine.generate`). Every engine's
-    TTFT, and the prefill timing each callback gets, is the whole shared prefill.
+    sequence); `on_steps` gives each engine its own step-timing callback (see `Engine.generate`). Engines run in
+    groups of at most `plans_per_prefill` (`prefill_groups`): one prefill per group, then the group's decodes, so
+    only one group's caches are alive at a time. Every engine's TTFT, and the prefill timing each callback gets, is
+    its group's whole shared prefill.
     """
     first = engines[0]
+    groups = prefill_groups(range(len(engines)), plans_per_prefill)  # a bad size is refused before any work
     constraints = list(constraints) if constraints is not None else [None] * len(engines)
     on_steps = list(on_steps) if on_steps is not None else [None] * len(engines)
     for given, what in ((constraints, "constraints"), (on_steps, "step callbacks")):
@@ -790,19 +797,32 @@ def generate_shared(
     tokens, all_lengths, roles = shapes[0].pad(prompts, prompt_roles)
     tools = shapes[0].pad_tools(prompt_tools)
 
-    start = time.perf_counter()
-    plans = tuple(engine.plan for engine in engines)
-    capacities = tuple(shape.capacities for shape in shapes)
-    placed = (first.rows(x) for x in (tokens, all_lengths, roles, tools))
-    logits, filled = _prefill(plans, first.params, *placed, capacities)
-    logits.block_until_ready()
-    prefill_s = time.perf_counter() - start
-    return [
-        engine._decode_loop(shape, logits, caches, kept, all_lengths, sampling, constraint, prefill_s, on_step)
-        for engine, shape, (caches, kept), constraint, on_step in zip(
-            engines, shapes, filled, constraints, on_steps, strict=True
+    placed = [first.rows(x) for x in (tokens, all_lengths, roles, tools)]
+    outputs: list[list[Generation]] = []
+    for group in groups:
+        start = time.perf_counter()
+        plans = tuple(engines[i].plan for i in group)
+        logits, filled = _prefill(plans, first.params, *placed, tuple(shapes[i].capacities for i in group))
+        logits.block_until_ready()
+        prefill_s = time.perf_counter() - start
+        outputs.extend(
+            engines[i]._decode_loop(
+                shapes[i], logits, caches, kept, all_lengths, sampling, constraints[i], prefill_s, on_steps[i]
+            )
+            for i, (caches, kept) in zip(group, filled, strict=True)
         )
-    ]
+    return outputs
+
+
+def prefill_groups(items: Sequence, size: int = PLANS_PER_PREFILL) -> list[tuple]:
+    """`items` (engines, or their indices) in consecutive groups of at most `size`, as near equal as they split:
+    the groups a sweep's shared prefills compile (27 plans in groups of 9 -> 9, 9, 9; 10 -> 5, 5)."""
+    if size < 1:
+        raise ValueError(f"plans_per_prefill must be at least 1, got {size}")
+    items = tuple(items)
+    count = -(-len(items) // size)
+    bounds = [round(k * len(items) / count) for k in range(count + 1)] if count else [0]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _no_call(tokens: np.ndarray) -> np.ndarray:

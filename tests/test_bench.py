@@ -418,8 +418,8 @@ def test_compile_bench_times_each_step_and_warm_compiles_load_from_the_cache(tmp
     assert "first_answer" not in result  # the tiny model has no tokenizer
 
 
-def test_compile_bench_times_a_sweep_as_one_shared_prefill_and_a_decode_per_method(tmp_path):
-    """--shared: one prefill executable for all the methods (labelled variants from --method-config among them), a
+def test_compile_bench_times_a_sweep_as_shared_prefills_and_a_decode_per_method(tmp_path):
+    """--shared: one prefill executable per group of methods (labelled variants from --method-config among them), a
     decode step per method; the warm pass loads every one of them from the cache."""
     import subprocess
     import sys
@@ -430,12 +430,36 @@ def test_compile_bench_times_a_sweep_as_one_shared_prefill_and_a_decode_per_meth
     methods = "full,h2o,h2o:r25,snapkv"
     args = ["--model", "tiny", "--methods", methods, "--prompt-tokens", "64", "--shared", "--out", str(out)]
     compile_bench = [sys.executable, "-m", "pask_jax.experiments.bench", "compile"]
-    subprocess.run([*compile_bench, *args, "--method-config", str(config)], check=True, capture_output=True)
+    grouped = [*args, "--method-config", str(config), "--plans-per-prefill", "3"]
+    subprocess.run([*compile_bench, *grouped], check=True, capture_output=True)
     (row,) = json.loads(out.read_text())["steps"]
     assert row["methods"] == methods.split(",") and row["prompt_tokens"] == 64
     cold, warm = row["cold"], row["warm"]
+    assert [g["plans"] for g in cold["prefill_groups"]] == [2, 2]  # 4 methods, at most 3 a prefill: two of 2
+    assert cold["prefill"]["compile_s"] == pytest.approx(sum(g["compile_s"] for g in cold["prefill_groups"]), abs=2e-3)
     assert list(cold["decode"]) == methods.split(",") and cold["prefill"]["compile_s"] > 0
     assert cold["total_s"] >= cold["prefill"]["compile_s"] + sum(d["compile_s"] for d in cold["decode"].values())
-    assert warm["cache_hits"] == 1 + len(methods.split(",")) and all(d["cache_hit"] for d in warm["decode"].values())
+    assert warm["cache_hits"] == 2 + len(methods.split(",")) and all(d["cache_hit"] for d in warm["decode"].values())
+    bad = subprocess.run([*compile_bench, *grouped[:-1], "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--plans-per-prefill 0" in bad.stderr
     refused = subprocess.run([*compile_bench, *args], capture_output=True, text=True)  # h2o:r25 has no section here
     assert refused.returncode == 2 and "'h2o:r25'" in refused.stderr
+
+
+def test_prefill_gflop_counts_two_flops_per_weight_per_token_plus_causal_attention():
+    """The analytic count against the model's own weights: every layer kernel is used once per token (2 flops per
+    multiply-add), attention is causal (query t sees t + 1 keys), and only the last token gets logits."""
+    from flax import nnx
+
+    from pask_jax.experiments.bench.prefill import prefill_gflop
+    from pask_jax.models.qwen3 import ModelConfig, Qwen3
+
+    cfg = ModelConfig.tiny("qwen2", vocab_size=256)
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    kernels = sum(
+        v.get_value().size for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if path[-1] == "kernel"
+    )
+    tokens = 10
+    attention = cfg.num_layers * 2 * 2 * cfg.num_heads * cfg.head_dim * sum(t + 1 for t in range(tokens))
+    logits = 2 * cfg.hidden_size * cfg.vocab_size  # tied embeddings: the embedding matrix, once
+    assert prefill_gflop(cfg, tokens) * 1e9 == pytest.approx(2 * kernels * tokens + attention + logits)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pask_jax.engine import Engine, SamplingConfig, generate_shared, mask_words
+from pask_jax.engine import Engine, SamplingConfig, generate_shared, mask_words, prefill_groups
 from pask_jax.methods import make_method
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
 
@@ -176,3 +176,15 @@ def test_bad_shapes_are_named(model: Qwen3):
         shape.pad([[1], list(range(17))])
     with pytest.raises(ValueError, match="1 step callbacks for 2 engines: give one per engine"):
         generate_shared([engine, engine], [[1, 2]], constraints=[None, None], on_steps=[None])
+    with pytest.raises(ValueError, match="plans_per_prefill must be at least 1, got 0"):
+        generate_shared([engine], [[1, 2]], plans_per_prefill=0)
+
+
+@pytest.mark.parametrize(
+    ("count", "size", "sizes"),
+    [(27, 9, [9, 9, 9]), (10, 9, [5, 5]), (4, 3, [2, 2]), (7, 3, [2, 3, 2]), (3, 9, [3]), (1, 1, [1]), (0, 4, [])],
+)
+def test_prefill_groups_split_a_sweep_into_near_equal_consecutive_groups(count, size, sizes):
+    groups = prefill_groups(range(count), size)
+    assert [len(g) for g in groups] == sizes
+    assert [i for g in groups for i in g] == list(range(count))  # every engine once, in order

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import jax
 
+from pask_jax.engine import PLANS_PER_PREFILL, prefill_groups
 from pask_jax.experiments.bench.machine import code_state, int_list, machine_info, write_result
 
 TINY = "tiny"
@@ -86,12 +87,22 @@ def step_times(engine, prompt_tokens: int, batch: int, new_tokens: int) -> dict:
     }
 
 
-def sweep_times(engines: dict, prompt_tokens: int, batch: int, new_tokens: int) -> dict:
-    """What a sweep over `engines` compiles for one shape: the shared prefill, then each method's decode step."""
-    first, *others = engines.values()
-    shape = first.batch_shape([prompt_tokens] * batch, new_tokens)
+def sweep_times(engines: dict, prompt_tokens: int, batch: int, new_tokens: int, plans_per_prefill: int) -> dict:
+    """What a sweep over `engines` compiles for one shape: a shared prefill per group of at most `plans_per_prefill`
+    methods (as `generate_shared` groups them), then each method's decode step. `prefill` sums the groups' figures
+    (their memory: the largest group's); `prefill_groups` has each group's."""
+    groups = prefill_groups(list(engines.values()), plans_per_prefill)
+    shape = groups[0][0].batch_shape([prompt_tokens] * batch, new_tokens)
     start, hits = time.perf_counter(), _cache_hits[0]
-    prefill = _lower_and_compile(lambda: first.lower_prefill(shape, others))
+    per_group = [
+        _lower_and_compile(lambda group=group: group[0].lower_prefill(shape, group[1:])) | {"plans": len(group)}
+        for group in groups
+    ]
+    prefill = {
+        key: (max if key.endswith("_mib") else sum)(g[key] for g in per_group)
+        for key in ("lower_s", "compile_s", "temp_mib", "argument_mib", "output_mib")
+    }
+    prefill = {k: round(v, 3) for k, v in prefill.items()}
     decodes = {}
     for spec, engine in engines.items():
         before = _cache_hits[0]
@@ -100,6 +111,7 @@ def sweep_times(engines: dict, prompt_tokens: int, batch: int, new_tokens: int) 
         decodes[spec]["cache_hit"] = _cache_hits[0] > before
     return {
         "prefill": prefill,
+        "prefill_groups": per_group,
         "decode": decodes,
         "total_s": round(time.perf_counter() - start, 3),
         "cache_hits": _cache_hits[0] - hits,
@@ -172,6 +184,7 @@ def run(args: argparse.Namespace) -> dict:
         "batch": args.batch,
         "new_tokens": args.new_tokens,
         "shared": args.shared,
+        "plans_per_prefill": args.plans_per_prefill if args.shared else None,
         "methods": list(args.specs),
         "method_config": args.method_config,
         "policies": args.policy or [],
@@ -189,9 +202,9 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for prompt_tokens in args.prompt_tokens:
         if args.shared:
-            cold = sweep_times(engines, prompt_tokens, args.batch, args.new_tokens)
+            cold = sweep_times(engines, prompt_tokens, args.batch, args.new_tokens, args.plans_per_prefill)
             jax.clear_caches()
-            warm = sweep_times(engines, prompt_tokens, args.batch, args.new_tokens)
+            warm = sweep_times(engines, prompt_tokens, args.batch, args.new_tokens, args.plans_per_prefill)
             rows.append({"methods": list(engines), "prompt_tokens": prompt_tokens, "cold": cold, "warm": warm})
             _print_steps(f"{len(engines)} methods", prompt_tokens, cold, warm)
             print(f"{'':>10} total cold {cold['total_s']:.1f}s, warm {warm['total_s']:.1f}s", flush=True)
@@ -219,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", default="examples/requests.jsonl", help="OpenAI Batch lines: the first is answered")
     p.add_argument("--out", help="results JSON")
     p.add_argument("--shared", action="store_true", help="one prefill for all the methods, as a sweep compiles it")
+    p.add_argument(
+        "--plans-per-prefill",
+        type=int,
+        default=PLANS_PER_PREFILL,
+        help=f"with --shared: methods compiled into one shared prefill (default {PLANS_PER_PREFILL})",
+    )
     p.add_argument("--method-config", help="TOML of method variants and overrides, on top of configs/methods.toml")
     p.add_argument("--policy", action="append", help="[LABEL=]PATH: a compiled PASK policy for pask:LABEL (repeatable)")
     return p
@@ -249,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(error))
     if not 0.0 < args.budget <= 1.0:
         parser.error(f"--budget {args.budget} must be in (0, 1]")
+    if args.plans_per_prefill < 1:
+        parser.error(f"--plans-per-prefill {args.plans_per_prefill} must be at least 1")
     if args.model != TINY and not Path(args.requests).is_file():
         parser.error(f"--requests {args.requests}: no such file")
     return run(args)

@@ -14,6 +14,12 @@ runs: the weights plus the prefill's peak; `peak_rss_over_start_mib` is that pea
 reset (the model, and the outputs the side before still holds), what the side's compile and prefill added. Kept
 entries: the share of (layer, KV head) cache entries that both sides keep, and the largest difference of the
 last-token logits.
+
+Compute: each row's `model_gflop` counts the prefill's multiply-adds (2 flops each) from the model's sizes: the
+projections and MLP over every token, causal attention (each query against the keys up to its own), the last
+token's logits; each side's `gflop_per_s` is that over its seconds. `matmul_gflop_per_s`, measured once per run, is
+what this machine's XLA does on a dense float32 matmul of the MLP's shape (a prefill chunk of tokens times the
+gate projection), the rate a compute-bound prefill cannot beat on it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pask_jax.experiments.bench.machine import code_state, int_list, machine_info, write_result
@@ -60,6 +67,32 @@ def kept_positions(caches) -> list[np.ndarray]:
     return out
 
 
+def prefill_gflop(cfg, tokens: int) -> float:
+    """GFLOP of one prefill over `tokens` positions: 2 per multiply-add of the projections and MLP per token, causal
+    attention's scores and weighted values (query t sees t + 1 keys), and the last token's logits."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_token = 2 * (2 * cfg.hidden_size * q + 2 * cfg.hidden_size * kv + 3 * cfg.hidden_size * cfg.intermediate_size)
+    attention = 2 * 2 * q * tokens * (tokens + 1) / 2
+    logits = 2 * cfg.hidden_size * cfg.vocab_size
+    return (cfg.num_layers * (tokens * per_token + attention) + logits) / 1e9
+
+
+def matmul_gflop_per_s(rows: int, cfg, repeats: int = 5) -> float:
+    """This machine's XLA rate on a dense float32 matmul f[rows, D] @ f[D, F] (the MLP's gate projection), the
+    median of `repeats` timed runs after a warm-up."""
+    keys = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(keys[0], (rows, cfg.hidden_size), jnp.float32)
+    b = jax.random.normal(keys[1], (cfg.hidden_size, cfg.intermediate_size), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, b).block_until_ready()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    return round(2 * rows * cfg.hidden_size * cfg.intermediate_size / statistics.median(seconds) / 1e9, 1)
+
+
 def run_side(engine, tokens: np.ndarray, capacities, repeats: int) -> tuple[dict, tuple]:
     """Compile, warm up and time one engine's prefill of `tokens` -> (figures, (logits, caches) of the last run)."""
     lengths = np.full(tokens.shape[0], tokens.shape[1], np.int32)
@@ -86,6 +119,7 @@ def run_side(engine, tokens: np.ndarray, capacities, repeats: int) -> tuple[dict
         "prefill_s": round(prefill_s, 3),
         "prefill_s_all": [round(s, 3) for s in seconds],
         "tokens_per_s": round(tokens.size / prefill_s, 1),
+        "gflop_per_s": round(tokens.shape[0] * prefill_gflop(engine.cfg, tokens.shape[1]) / prefill_s, 1),
         "xla_temp_mib": round(analysis.temp_size_in_bytes / 2**20, 1),
         "xla_argument_mib": round(analysis.argument_size_in_bytes / 2**20, 1),
         "peak_rss_mib": (peak := rss_mib()),
@@ -109,13 +143,18 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "machine": machine_info(),
         "code": code_state(),
+        "matmul_gflop_per_s": matmul_gflop_per_s(args.chunk, model.config),
         "rows": [],
     }
     for prompt_tokens in args.prompt_tokens:
         tokens = rng.integers(0, model.config.vocab_size, (1, prompt_tokens), dtype=np.int32)
         for method in args.methods:
             budget = 1.0 if method == "full" else args.budget
-            row: dict = {"method": method, "prompt_tokens": prompt_tokens}
+            row: dict = {
+                "method": method,
+                "prompt_tokens": prompt_tokens,
+                "model_gflop": round(prefill_gflop(model.config, prompt_tokens), 1),
+            }
             outputs = {}
             for side, chunk in (("chunked", args.chunk), ("one_pass", prompt_tokens)):
                 engine = make_engine(model, method, budget, prefill_chunk=chunk)
