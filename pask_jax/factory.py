@@ -65,6 +65,7 @@ def make_engine(
     mesh: Mesh | None = None,
     length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
     prefill_chunk: int = PREFILL_CHUNK,
+    compile_ahead: bool = True,
 ) -> Engine:
     """An engine running `method` (a name in `METHODS`) at total KV budget `budget`.
 
@@ -96,4 +97,5 @@ def make_engine(
         mesh=mesh,
         length_buckets=length_buckets,
         prefill_chunk=prefill_chunk,
+        compile_ahead=compile_ahead,
     )
