@@ -1443,6 +1443,32 @@ def tool_call_rates(root: Path) -> str:
     return _block(claim, _table(head, rows))
 
 
+def prefill_compute(root: Path, file: str = "results/bench_prefill_flops.json") -> str:
+    """A prefill's arithmetic rate against this machine's dense float32 matmul, from `pask-jax bench prefill`."""
+    result = load_json(root, file)
+    matmul = result["matmul_gflop_per_s"]
+    rows = [
+        [
+            r["prompt_tokens"],
+            r["method"],
+            f"{r['model_gflop']:,.0f}",
+            f"{r['chunked']['prefill_s']:.1f} / {r['one_pass']['prefill_s']:.1f}",
+            f"{r['chunked']['gflop_per_s']:.0f} / {r['one_pass']['gflop_per_s']:.0f}",
+            f"{r['chunked']['gflop_per_s'] / matmul:.2f} / {r['one_pass']['gflop_per_s'] / matmul:.2f}",
+        ]
+        for r in result["rows"]
+    ]
+    longest = max(result["rows"], key=lambda r: r["prompt_tokens"])
+    best = max(longest["chunked"]["gflop_per_s"], longest["one_pass"]["gflop_per_s"])
+    claim = (
+        f"At {longest['prompt_tokens']} tokens {longest['method']}'s prefill computes {longest['model_gflop']:,.0f} "
+        f"GFLOP at {best:.0f} GFLOP/s, {best / matmul:.2f} of this machine's float32 matmul rate ({matmul:.0f} "
+        f"GFLOP/s on the MLP's shape): doing the same arithmetic, it can be at most {matmul / best:.2f}x faster here."
+    )
+    head = ["prompt tokens", "method", "GFLOP", "seconds, chunked / one pass", "GFLOP/s", "of the matmul rate"]
+    return _block(claim, _table(head, rows))
+
+
 TABLES: dict[str, Callable[[Path], str]] = {
     "bfcl_sweep_25": bfcl_sweep_25,
     "split_overlap": split_overlap,
@@ -1467,6 +1493,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "niah_pooling_probe": niah_pooling_probe,
     "bench_kernel": bench_kernel,
     "bench_prefill": bench_prefill,
+    "prefill_compute": prefill_compute,
     "real_parity": real_parity,
     "real_parity_1_5b": functools.partial(real_parity, file="results/real_parity_qwen2.5-coder-1.5b.json"),
     "cache_bytes": cache_bytes,
