@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from typing import Any, Protocol
 
 import jax
@@ -95,15 +94,12 @@ class StepRunner(Protocol):
 
     stop_token_ids: frozenset[int]
     method: Any  # its `name` names it in errors
-    compile_ahead: bool
 
     def decode_step(self, caches, tokens, positions, roles, prompt_lengths, mask_bits, key, sampling, called): ...
 
     def decode_logits(self, caches, tokens, positions, roles, prompt_lengths, called): ...
 
     def sample(self, logits, mask_bits, key, sampling): ...
-
-    def compile_decode_ahead(self, rows, capacities, sampling, logits_only) -> Future: ...
 
 
 @dataclasses.dataclass
@@ -137,9 +133,7 @@ class DecodeRows:
 
     `width` rows (the cache's padded batch), `num_layers * num_kv_heads` entries per token for the kept ratios;
     `overlap_grammar`: dispatch the step first and build the masks while it runs (`Engine.decode_logits`), else
-    build them first and run the fused step that samples too (`Engine.decode_step`). The step's compile starts on a
-    helper thread when the rows are made (`Engine.compile_decode_ahead`, or `compiled_ahead` if the caller started
-    it; not where the engine's `compile_ahead` is off), so it overlaps the prefill; the first step waits for it.
+    build them first and run the fused step that samples too (`Engine.decode_step`).
     """
 
     def __init__(
@@ -153,12 +147,8 @@ class DecodeRows:
         *,
         overlap_grammar: bool = False,
         on_step: StepCallback | None = None,
-        compiled_ahead: Future | None = None,
     ):
         self.engine, self.width, self.sampling, self.capacities = engine, width, sampling, capacities
-        if compiled_ahead is None and engine.compile_ahead:
-            compiled_ahead = engine.compile_decode_ahead(width, capacities, sampling, overlap_grammar)
-        self.compiled_ahead: Future | None = compiled_ahead
         self.words, self.entries_per_token = mask_words(vocab_size), entries_per_token
         self.overlap_grammar, self.on_step = overlap_grammar, on_step
         self.key = jax.random.key(sampling.seed)
@@ -223,9 +213,6 @@ class DecodeRows:
         """One decode step over every row (`caches` donated; returns the new ones); each live row takes its token."""
         engine, sampling = self.engine, self.sampling
         t0 = time.perf_counter()
-        if self.compiled_ahead is not None:  # the step's executable: the first step's time counts the wait
-            self.compiled_ahead.result()  # a compile error raises here
-            self.compiled_ahead = None
         self.key, sub = jax.random.split(self.key)
         feed = (self.tokens, self.positions, self.roles, self.prompt_lengths)
         if self.overlap_grammar:

@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -419,13 +418,6 @@ _decode_logits = jax.jit(StepPlan.decode_logits, static_argnums=(0,), donate_arg
 
 
 _empty_caches = jax.jit(StepPlan.empty_caches, static_argnums=(0, 1, 2))
-# Where steps compile ahead of their first call (`Engine.compile_decode_ahead`): one thread, compiles in turn.
-_COMPILE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pask-jax-compile")
-
-
-def _compile(lower) -> None:
-    """Compile what `lower()` lowers; the executable lands in jit's cache (kept there, not by the future)."""
-    lower().compile()
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -463,8 +455,6 @@ class Engine:
     (in place, so engines over one model share them). None: one device, as without sharding.
     Weights, activations and cache take the model's dtype (`load_model(..., dtype=)`).
     `prefill_chunk`: prompts longer than this many positions are prefilled in equal chunks of at most this many.
-    `compile_ahead`: a new shape's decode step compiles on a helper thread while its prefill compiles and runs
-    (`compile_decode_ahead`); False: it compiles at the first step.
     """
 
     def __init__(
@@ -480,14 +470,12 @@ class Engine:
         max_context: int | None = None,
         mesh: Mesh | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
-        compile_ahead: bool = True,
     ):
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"budget={budget} must be in (0, 1]")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1")
-        self.mesh, self.compile_ahead = mesh, compile_ahead
-        self._compiled_ahead: dict[tuple, Future] = {}  # decode steps asked of the compile thread, by shape
+        self.mesh = mesh
         self.data_size = 1
         if mesh is not None:
             shard_model(model, check_mesh(mesh))
@@ -589,19 +577,12 @@ class Engine:
         """Lower the jitted prefill and decode step for `shape`, with the abstract arguments `generate` gives them."""
         return LoweredSteps(prefill=self.lower_prefill(shape), decode=self.lower_decode(shape, sampling))
 
-    def lower_decode(
-        self, shape: BatchShape, sampling: SamplingConfig = SamplingConfig(), logits_only: bool = False
-    ) -> jax.stages.Lowered:
-        """Lower the jitted decode step for `shape`, with the abstract arguments `generate` gives it (`logits_only`:
-        the step up to the logits, `decode_logits`)."""
-        return self._lower_decode(shape.padded_rows, shape.capacities, sampling, logits_only)
-
-    def _lower_decode(
-        self, b: int, capacities: tuple[int, ...], sampling: SamplingConfig, logits_only: bool
-    ) -> jax.stages.Lowered:
+    def lower_decode(self, shape: BatchShape, sampling: SamplingConfig = SamplingConfig()) -> jax.stages.Lowered:
+        """Lower the jitted decode step for `shape`, with the abstract arguments `generate` gives it."""
+        b = shape.padded_rows
         params = self._abstract_params()
         rows = self._abstract_rows((b,))  # token ids, positions, roles, lengths, called tools: i32[B]
-        caches = jax.eval_shape(lambda: self.plan.empty_caches(b, capacities))
+        caches = jax.eval_shape(lambda: self.plan.empty_caches(b, shape.capacities))
         if self.mesh is not None:  # the layout the prefill hands them over in
             caches = [
                 jax.tree.map(
@@ -611,27 +592,11 @@ class Engine:
                 )
                 for cache in caches
             ]
-        if logits_only:
-            return _decode_logits.lower(self.plan, params, caches, rows, rows, rows, rows, rows)
         bits = self._abstract_rows((b, mask_words(self.cfg.vocab_size)))
         key = jax.eval_shape(lambda: jax.random.key(sampling.seed))
         return _decode.lower(
             self.plan, params, caches, rows, rows, rows, rows, rows, bits, key, sampling.temperature, sampling.top_p
         )
-
-    def compile_decode_ahead(
-        self, rows: int, capacities: tuple[int, ...], sampling: SamplingConfig, logits_only: bool = False
-    ) -> Future:
-        """Start compiling the decode step for `rows` padded rows at `capacities` on the compile thread, and return
-        its future. XLA compiles on one core, so on a multi-core host the step compiles while the prefill compiles
-        and runs rather than after it (a new shape's first answer comes sooner); the step's calls then reuse the
-        executable. Wait on the future before the first step, or the step compiles a second time. A step asked for
-        before returns its first future: lowering it again would only cost host time."""
-        key = (rows, capacities, sampling.temperature, sampling.top_p, logits_only)  # what the executable depends on
-        if key not in self._compiled_ahead:
-            lower = functools.partial(self._lower_decode, rows, capacities, sampling, logits_only)
-            self._compiled_ahead[key] = _COMPILE_THREAD.submit(_compile, lower)
-        return self._compiled_ahead[key]
 
     def precompile(self, shape: BatchShape, sampling: SamplingConfig = SamplingConfig()) -> None:
         """Compile what `generate` runs for a batch of `shape` before it is needed: the prefill and the decode step
@@ -762,7 +727,6 @@ class Engine:
         constraint: TokenConstraint | None,
         prefill_s: float,
         on_step: StepCallback | None,
-        compiled_ahead: Future | None,
     ) -> list[Generation]:
         """The host loop after prefill: every row admitted at once, one jitted decode step per later token."""
         if on_step is not None:
@@ -770,7 +734,7 @@ class Engine:
         n, cfg = shape.rows, self.cfg
         rows = DecodeRows(
             self, shape.padded_rows, cfg.vocab_size, cfg.num_layers * cfg.num_kv_heads, sampling, shape.capacities,
-            on_step=on_step, compiled_ahead=compiled_ahead,
+            on_step=on_step,
         )  # fmt: skip
         origin = time.perf_counter() - prefill_s
         rows.admit(range(n), range(n), lengths[:n], [sampling.max_new_tokens] * n, logits, np.asarray(kept),
@@ -834,10 +798,6 @@ def generate_shared(
     tools = shapes[0].pad_tools(prompt_tools)
 
     placed = [first.rows(x) for x in (tokens, all_lengths, roles, tools)]
-    ahead = [  # every engine's decode step compiles on the compile thread while the prefills compile and run
-        engine.compile_decode_ahead(shape.padded_rows, shape.capacities, sampling) if engine.compile_ahead else None
-        for engine, shape in zip(engines, shapes, strict=True)
-    ]
     outputs: list[list[Generation]] = []
     for group in groups:
         start = time.perf_counter()
@@ -847,7 +807,7 @@ def generate_shared(
         prefill_s = time.perf_counter() - start
         outputs.extend(
             engines[i]._decode_loop(
-                shapes[i], logits, caches, kept, all_lengths, sampling, constraints[i], prefill_s, on_steps[i], ahead[i]
+                shapes[i], logits, caches, kept, all_lengths, sampling, constraints[i], prefill_s, on_steps[i]
             )
             for i, (caches, kept) in zip(group, filled, strict=True)
         )

@@ -65,7 +65,6 @@ def make_engine(
     mesh: Mesh | None = None,
     length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
     prefill_chunk: int = PREFILL_CHUNK,
-    compile_ahead: bool = True,
 ) -> Engine:
     """An engine running `method` (a name in `METHODS`) at total KV budget `budget`.
 
@@ -97,5 +96,4 @@ def make_engine(
         mesh=mesh,
         length_buckets=length_buckets,
         prefill_chunk=prefill_chunk,
-        compile_ahead=compile_ahead,
     )

@@ -81,7 +81,6 @@ class LLM:
         max_prefill_rows: int | None = None,
         grammar_backend: str = "outlines",
         prefill_chunk: int = PREFILL_CHUNK,
-        compile_ahead: bool = True,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
@@ -120,11 +119,7 @@ class LLM:
         self.max_batch, self.kv_memory_bytes = max_batch, kv_memory_bytes
         self.scheduler, self.overlap_grammar, self.max_prefill_rows = scheduler, overlap_grammar, max_prefill_rows
         self._engine_options = dict(
-            num_groups=num_groups,
-            use_kernel=use_kernel,
-            overrides=method_overrides,
-            prefill_chunk=prefill_chunk,
-            compile_ahead=compile_ahead,
+            num_groups=num_groups, use_kernel=use_kernel, overrides=method_overrides, prefill_chunk=prefill_chunk
         )
         self._engine: Engine | None = None
 

@@ -111,33 +111,3 @@ def test_admitted_requests_are_prefilled_longest_first_in_power_of_two_groups():
     assert admission_chunks(lengths, max_rows=3) == [[1, 5], [3, 0], [2, 4]]
     assert admission_chunks(lengths, data_size=2, max_rows=1) == [[1, 5], [3, 0], [2, 4]]
     assert admission_chunks([]) == []
-
-
-@pytest.mark.parametrize("scheduler, ahead", [("static", True), ("continuous", True), ("continuous", False)])
-def test_the_decode_step_compiles_ahead_of_the_prefill_and_once(
-    model: Qwen3, scheduler: str, ahead: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-):
-    """Both loops ask for the decode step's compile (on the compile thread) before the prefill runs, and the step
-    then runs on that executable: a shape no other test compiles compiles its step once (with `compile_ahead` off,
-    once too, at the first step)."""
-    import logging
-
-    from pask_jax import engine as engine_module
-
-    events = []
-    prefill, compile_ahead = engine_module._prefill, Engine.compile_decode_ahead
-    monkeypatch.setattr(engine_module, "_prefill", lambda *a: (events.append("prefill"), prefill(*a))[1])
-    monkeypatch.setattr(Engine, "compile_decode_ahead", lambda *a: (events.append("ahead"), compile_ahead(*a))[1])
-    buckets = {("static", True): (12, 40), ("continuous", True): (10, 44), ("continuous", False): (11, 46)}
-    engine = Engine(model, length_buckets=buckets[scheduler, ahead], compile_ahead=ahead)
-    jax.config.update("jax_log_compiles", True)  # process-wide: the compile thread logs too
-    try:
-        with caplog.at_level(logging.WARNING):
-            if scheduler == "static":
-                engine.generate(PROMPTS[:2], SamplingConfig(max_new_tokens=5))
-            else:
-                list(ContinuousBatcher(engine, rows=2).run([SequenceRequest(p, 5) for p in PROMPTS[:3]]))
-    finally:
-        jax.config.update("jax_log_compiles", False)
-    assert events[:2] == ["ahead", "prefill"] if ahead else "ahead" not in events
-    assert sum("compilation of jit(decode)" in r.getMessage() for r in caplog.records) == 1

@@ -3,8 +3,7 @@ to the first answer from a loaded model.
 
     pask-jax bench compile [--model qwen2.5-coder-0.5b] [--methods full,snapkv,h2o,dapq,pask] [--budget 0.33]
                            [--prompt-tokens 512,2048] [--batch 1] [--new-tokens 64] [--out results/bench_compile.json]
-                           [--no-compile-ahead] [--shared] [--plans-per-prefill 9] [--method-config TOML]
-                           [--policy [LABEL=]PATH ...]
+                           [--shared] [--plans-per-prefill 9] [--method-config TOML] [--policy [LABEL=]PATH ...]
 
 Everything runs in one process with a fresh, empty persistent XLA cache (a temporary `jax_compilation_cache_dir`,
 every executable cached whatever its compile time):
@@ -12,17 +11,15 @@ every executable cached whatever its compile time):
 1. First answer, cold: `LLM.chat` on the first request of --requests (the path `pask-jax run` takes: prompt, grammar,
    prefill, decode) with the model already in memory, nothing compiled yet; then, warm: `jax.clear_caches()` (the
    in-memory executables go) and the same call again, so every executable comes from the persistent cache. The
-   grammar index is cached by the process and is not part of the warm figure. The decode step compiles beside the
-   prefill as `LLM` does by default (`--no-compile-ahead`: after it, at the first step); to compare the two cold,
-   run each in its own process.
+   grammar index is cached by the process and is not part of the warm figure.
 2. Per (method, prompt length): the engine's prefill and decode step lowered for the shape `generate` uses
    (`Engine.lower`: tracing and lowering to StableHLO, timed apart) and compiled (`Lowered.compile()`: the XLA
    compile, cold); then, after `jax.clear_caches()`, lowered and compiled again (warm: the compile loads the
    executable from the persistent cache). `cache_hits` counts the persistent-cache hits JAX reports for that step;
    each executable's XLA memory analysis (temp, argument and output MiB) is recorded beside its times.
-   With --shared, the steps a method sweep compiles (`pask-jax bfcl --methods A,B,...`: `generate_shared`): one
-   prefill executable for all the methods, then each method's decode step (a method whose decode is another's
-   executable is a cache hit), with the total per prompt length.
+   With --shared, the steps a method sweep compiles (`pask-jax bfcl --methods A,B,...`: `generate_shared`): a
+   prefill executable per group of at most --plans-per-prefill methods, then each method's decode step (a method
+   whose decode is another's executable is a cache hit), with the total per prompt length.
 
 Methods are specs as the sweeps name them (`NAME` or `NAME:LABEL`): labelled variants from --method-config, PASK's
 policies from --policy (LABEL=PATH; unlabelled: the policy of `pask`); `pask` without one runs the shipped policy.
@@ -141,7 +138,7 @@ def first_answer(llm, request: dict) -> dict:
     return {"seconds": seconds, "tool_calls": len(message.get("tool_calls") or []), "ttft_s": answer["pask"]["ttft_s"]}
 
 
-def load(model: str, specs: dict, budget: float, compile_ahead: bool = True):
+def load(model: str, specs: dict, budget: float):
     """model, {spec: MethodSpec} -> ({spec: engine}, LLM or None); the engines share the LLM's loaded weights, and
     PASK without a policy of its own runs the LLM's (the shipped one)."""
     from pask_jax.factory import make_engine
@@ -160,7 +157,7 @@ def load(model: str, specs: dict, budget: float, compile_ahead: bool = True):
         return {name: engine(qwen, spec) for name, spec in specs.items()}, None
     from pask_jax.llm import LLM
 
-    llm = LLM(model, method="pask", budget=budget, compile_ahead=compile_ahead)
+    llm = LLM(model, method="pask", budget=budget)
     return {name: engine(llm.model, spec, llm.policy) for name, spec in specs.items()}, llm
 
 
@@ -179,7 +176,7 @@ def _print_steps(label: str, prompt_tokens: int, cold: dict, warm: dict) -> None
 def run(args: argparse.Namespace) -> dict:
     cache = Path(tempfile.mkdtemp(prefix="pask-jax-xla-"))
     use_fresh_cache(cache)
-    engines, llm = load(args.model, args.specs, args.budget, args.compile_ahead)
+    engines, llm = load(args.model, args.specs, args.budget)
     result: dict = {
         "benchmark": "compile",
         "model": args.model,
@@ -198,12 +195,7 @@ def run(args: argparse.Namespace) -> dict:
     if llm is not None and not args.shared:  # a sweep has no first answer; its cache would hold this one's steps
         lines = Path(args.requests).read_text().splitlines()
         request = json.loads(next(line for line in lines if line.strip()))["body"]
-        result["first_answer"] = {
-            "request": args.requests,
-            "method": "pask",
-            "budget": args.budget,
-            "compile_ahead": args.compile_ahead,
-        }
+        result["first_answer"] = {"request": args.requests, "method": "pask", "budget": args.budget}
         result["first_answer"]["cold"] = first_answer(llm, request)
         jax.clear_caches()
         result["first_answer"]["warm"] = first_answer(llm, request)
@@ -239,13 +231,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens the caches are sized for")
     p.add_argument("--requests", default="examples/requests.jsonl", help="OpenAI Batch lines: the first is answered")
     p.add_argument("--out", help="results JSON")
-    p.add_argument(
-        "--compile-ahead",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="first answer: the decode step compiles beside the prefill (LLM(compile_ahead=)); --no-compile-ahead: "
-        "at the first step",
-    )
     p.add_argument("--shared", action="store_true", help="one prefill for all the methods, as a sweep compiles it")
     p.add_argument(
         "--plans-per-prefill",
