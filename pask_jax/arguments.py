@@ -187,6 +187,22 @@ def policy_dir(path: str, flag: str, alternatives: str = "") -> None:
         raise UsageError(f"{flag}: {path} holds no policy (no {POLICY_META}); create one with `pask-jax calibrate`")
 
 
+def labelled_policies(entries: list[str], default_label: str, reserved: str | None = None) -> dict[str, str]:
+    """`--policy [LABEL=]PATH` entries -> {label: path}, every path a policy directory: a bare PATH takes
+    `default_label` (the run of `pask:LABEL`, or of plain `pask` where the label is "pask"). Each label once;
+    `reserved`, where given, is refused (a command whose plain `pask` must stay the uncalibrated run)."""
+    out: dict[str, str] = {}
+    for entry in entries:
+        label, _, path = entry.rpartition("=")
+        label = label or default_label
+        if not path or label == reserved or label in out:
+            taken = f", a label other than {reserved!r} (plain {reserved} is the uncalibrated run)" if reserved else ""
+            raise UsageError(f"--policy {entry!r}: give [LABEL=]PATH with a path{taken} and each label once")
+        policy_dir(path, f"--policy {entry}")
+        out[label] = path
+    return out
+
+
 def method_specs(text: str, flag: str) -> None:
     specs = [s.strip() for s in text.split(",")]
     if not all(specs):

@@ -263,3 +263,20 @@ def test_niah_refuses_bad_paths_and_settings_before_the_model(tmp_path: Path, po
 def test_argparse_errors_are_one_line(capsys):
     assert "required: -i/--input" in usage_error(["run", "-o", "out.jsonl"], capsys)
     assert "argument --ablation: invalid choice" in usage_error(["calibrate", "--out", "p", "--ablation", "x"], capsys)
+
+
+def test_policy_entries_take_a_default_label_and_refuse_a_reserved_or_repeated_one(tmp_path: Path, policy_dir: Path):
+    """One `--policy [LABEL=]PATH` reading for bfcl (bare: plain pask), niah (bare: pask:calibrated; "pask" refused)
+    and bench compile."""
+    labelled = arguments.labelled_policies
+    assert labelled([str(policy_dir), f"tol={policy_dir}"], "pask") == {"pask": str(policy_dir), "tol": str(policy_dir)}
+    assert labelled([str(policy_dir)], "calibrated", reserved="pask") == {"calibrated": str(policy_dir)}
+    refusals = {
+        "a label other than 'pask'": ([f"pask={policy_dir}"], "calibrated", "pask"),
+        "each label once": ([str(policy_dir), f"pask={policy_dir}"], "pask", None),
+        "with a path": (["tol="], "pask", None),
+        "no such policy directory": ([f"tol={tmp_path / 'missing'}"], "pask", None),
+    }
+    for message, (entries, default, reserved) in refusals.items():
+        with pytest.raises(arguments.UsageError, match=message):
+            labelled(entries, default, reserved=reserved)

@@ -17,13 +17,15 @@ from pask_jax.arguments import (
     input_file,
     int_at_least,
     int_list,
+    labelled_policies,
     method_specs,
     output_file,
-    policy_dir,
 )
 from pask_jax.experiments.bfcl import CATEGORIES, SPLIT_RULE, SPLIT_RULES, SPLITS
 from pask_jax.experiments.bfcl.prompt import PROMPTS
 from pask_jax.models.fetch import enable_compile_cache
+
+NIAH_POLICY_LABEL = "calibrated"  # `pask-jax niah --policy PATH` runs as method pask:calibrated
 
 
 def check_bfcl(args: argparse.Namespace) -> None:
@@ -32,8 +34,7 @@ def check_bfcl(args: argparse.Namespace) -> None:
         unknown = [c for c in args.categories.split(",") if c not in CATEGORIES]
         if unknown:
             raise UsageError(f"--categories: unknown {', '.join(map(repr, unknown))}; known: {', '.join(CATEGORIES)}")
-    for entry in args.policy or []:
-        policy_dir(entry.rpartition("=")[2], f"--policy {entry}")
+    labelled_policies(args.policy or [], "pask")
     if args.method_config:
         input_file(args.method_config, "--method-config")
     if args.out:
@@ -41,10 +42,7 @@ def check_bfcl(args: argparse.Namespace) -> None:
 
 
 def check_niah(args: argparse.Namespace) -> None:
-    for entry in args.policy or []:
-        label, _, path = entry.rpartition("=")
-        if path and label != "pask":  # a malformed entry: niah.parse_policies names the form, before any loading
-            policy_dir(path, f"--policy {entry}")
+    labelled_policies(args.policy or [], NIAH_POLICY_LABEL, reserved="pask")
     if args.method_config:
         input_file(args.method_config, "--method-config")
     output_file(args.out, "--out")
@@ -77,10 +75,9 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
     from pask_jax.policy import PersistencePolicy
 
     method_config = load_method_config(args.method_config)
-    policies = {}
-    for entry in args.policy or []:
-        label, _, path = entry.rpartition("=")
-        policies[label or "pask"] = PersistencePolicy.load(path)
+    policies = {
+        label: PersistencePolicy.load(path) for label, path in labelled_policies(args.policy or [], "pask").items()
+    }
     for spec in cfg.methods:  # an unknown NAME:LABEL: before the model loads
         resolve_spec(spec, method_config, policies)
     if "pask" in cfg.methods and "pask" not in policies:
@@ -120,7 +117,7 @@ def cmd_niah(args: argparse.Namespace) -> None:
     results JSON (`python -m tools.plot_niah` draws it)."""
     from pask_jax.experiments import niah
 
-    policy_paths = niah.parse_policies(args.policy or [])
+    policy_paths = labelled_policies(args.policy or [], NIAH_POLICY_LABEL, reserved="pask")
     methods = niah.parse_names(args.methods, "methods")
     methods += tuple(spec for spec in (f"pask:{label}" for label in policy_paths) if spec not in methods)
     cfg = niah.NiahConfig(

@@ -94,7 +94,6 @@ DEFAULT_DEPTHS = tuple(float(d) for d in range(0, 101, 10))  # percent of the ha
 # 1234567.") takes ~20 tokens; rows stop at their end of turn, so the cap costs nothing when it is not reached.
 DEFAULT_MAX_NEW_TOKENS = 32
 MAX_LENGTH = DEFAULT_LENGTH_BUCKETS[-1]
-POLICY_LABEL = "calibrated"  # `--policy PATH` runs as method pask:calibrated
 PROSE_MAX_CHARS = 300  # longer sentences would make depth steps coarse
 ADJECTIVES = (
     "amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen", "lively",
@@ -193,22 +192,6 @@ def parse_floats(text: str, what: str) -> tuple[float, ...]:
 
 def parse_names(text: str, what: str) -> tuple[str, ...]:
     return tuple(_split(text, what))
-
-
-def parse_policies(entries: Sequence[str]) -> dict[str, str]:
-    """`--policy [LABEL=]PATH` entries -> {label: path}; a bare PATH is labelled POLICY_LABEL. The label "pask" is
-    refused: it would calibrate plain `pask`, the uncalibrated run."""
-    out: dict[str, str] = {}
-    for entry in entries:
-        label, _, path = entry.rpartition("=")
-        label = label or POLICY_LABEL
-        if not path or label == "pask" or label in out:
-            raise NiahError(
-                f"--policy {entry!r}: give [LABEL=]PATH with a path, a label other than 'pask' (plain pask is the "
-                "uncalibrated run) and each label once"
-            )
-        out[label] = path
-    return out
 
 
 @dataclasses.dataclass(frozen=True)

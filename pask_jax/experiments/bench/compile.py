@@ -37,6 +37,7 @@ from pathlib import Path
 
 import jax
 
+from pask_jax.arguments import labelled_policies
 from pask_jax.engine import PLANS_PER_PREFILL, prefill_groups
 from pask_jax.experiments.bench.machine import code_state, int_list, machine_info, write_result
 
@@ -253,13 +254,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.method_config and not Path(args.method_config).is_file():
         parser.error(f"--method-config {args.method_config}: no such file")
     method_config = load_method_config(args.method_config)
-    policies = {}
-    for entry in args.policy or []:
-        label, _, path = entry.rpartition("=")
-        if not Path(path).is_dir():
-            parser.error(f"--policy {entry}: no policy directory {path}")
-        policies[label or "pask"] = PersistencePolicy.load(path)
     try:
+        policies = {
+            label: PersistencePolicy.load(path) for label, path in labelled_policies(args.policy or [], "pask").items()
+        }
         args.specs = {spec: resolve_spec(spec, method_config, policies) for spec in args.methods.split(",")}
         for spec in args.specs.values():
             if spec.policy is not None:
