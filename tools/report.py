@@ -1022,7 +1022,9 @@ def niah_qwen05b(root: Path, file: str = NIAH_FILE) -> str:
         if budget in (smallest, 1.0):
             correct, n = sum(s["correct"] for s in mine.values()), sum(s["n"] for s in mine.values())
             at_smallest.append(f"{method} {correct}/{n}")
-    head = ["method", "b", *(f"{h} {n // 1024}k ({len(depths[h, n])} depths)" for h, n in places), "kept/full"]
+    counts = {place: len(depths[place]) for place in places}
+    head = ["method", "b", *(f"{h} {n // 1024}k ({counts[h, n]} depth{'s' * (counts[h, n] > 1)})" for h, n in places)]
+    head.append("kept/full")
     claim = (
         f"{result['model']}, JSON-constrained answers: needles found at b = {smallest:g} (full KV at b = 1), of all "
         "cells: " + ", ".join(at_smallest) + "."
@@ -1490,6 +1492,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "bench_decode_2k": functools.partial(bench_decode, file="results/bench_decode_2k.json"),
     "niah_qwen05b": niah_qwen05b,
     "niah_16k": functools.partial(niah_qwen05b, file="results/niah_16k_qwen2.5-coder-0.5b.json"),
+    "niah_32k": functools.partial(niah_qwen05b, file="results/niah_32k_qwen2.5-coder-0.5b.json"),
     "niah_pooling_probe": niah_pooling_probe,
     "bench_kernel": bench_kernel,
     "bench_prefill": bench_prefill,

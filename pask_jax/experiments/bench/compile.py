@@ -100,10 +100,9 @@ def sweep_times(engines: dict, prompt_tokens: int, batch: int, new_tokens: int, 
         for group in groups
     ]
     prefill = {
-        key: (max if key.endswith("_mib") else sum)(g[key] for g in per_group)
+        key: round((max if key.endswith("_mib") else sum)(g[key] for g in per_group), 3)
         for key in ("lower_s", "compile_s", "temp_mib", "argument_mib", "output_mib")
     }
-    prefill = {k: round(v, 3) for k, v in prefill.items()}
     decodes = {}
     for spec, engine in engines.items():
         before = _cache_hits[0]
