@@ -1465,7 +1465,7 @@ def prefill_compute(root: Path, file: str = "results/bench_prefill_flops.json") 
     claim = (
         f"At {longest['prompt_tokens']} tokens {longest['method']}'s prefill computes {longest['model_gflop']:,.0f} "
         f"GFLOP at {best:.0f} GFLOP/s, {best / matmul:.2f} of this machine's float32 matmul rate ({matmul:.0f} "
-        f"GFLOP/s on the MLP's shape): doing the same arithmetic, it can be at most {matmul / best:.2f}x faster here."
+        f"GFLOP/s on the MLP's shape): the same arithmetic at that rate would take {best / matmul:.2f} of its time."
     )
     head = ["prompt tokens", "method", "GFLOP", "seconds, chunked / one pass", "GFLOP/s", "of the matmul rate"]
     return _block(claim, _table(head, rows))
