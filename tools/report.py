@@ -1525,7 +1525,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
         f"long_prompts_2k_v2_{layout}": functools.partial(
             long_prompts, file=f"results/long_v2/bfcl_long2k_v2_{layout}.json", tuning=V2_TUNING
         )
-        for layout in ("question_last",)
+        for layout in ("question_last", "question_first")
     },
     "schema_suites": schema_suites,
     "schema_masks": schema_masks,
