@@ -19,7 +19,7 @@ Compute: each row's `model_gflop` counts the prefill's multiply-adds (2 flops ea
 projections and MLP over every token, causal attention (each query against the keys up to its own), the last
 token's logits; each side's `gflop_per_s` is that over its seconds. `matmul_gflop_per_s`, measured once per run, is
 what this machine's XLA does on a dense float32 matmul of the MLP's shape (a prefill chunk of tokens times the
-gate projection), the rate a compute-bound prefill cannot beat on it.
+gate projection): about the best a compute-bound prefill, made of such matmuls, can do on it.
 """
 
 from __future__ import annotations
