@@ -1493,6 +1493,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "niah_qwen05b": niah_qwen05b,
     "niah_16k": functools.partial(niah_qwen05b, file="results/niah_16k_qwen2.5-coder-0.5b.json"),
     "niah_32k": functools.partial(niah_qwen05b, file="results/niah_32k_qwen2.5-coder-0.5b.json"),
+    "niah_4k8k_shipped": functools.partial(niah_qwen05b, file="results/niah_4k8k_shipped_qwen2.5-coder-0.5b.json"),
     "niah_pooling_probe": niah_pooling_probe,
     "bench_kernel": bench_kernel,
     "bench_prefill": bench_prefill,
