@@ -37,7 +37,7 @@ from pathlib import Path
 
 import jax
 
-from pask_jax.arguments import labelled_policies
+from pask_jax.arguments import int_at_least, labelled_policies
 from pask_jax.engine import PLANS_PER_PREFILL, prefill_groups
 from pask_jax.experiments.bench.machine import code_state, int_list, machine_info, write_result
 
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared", action="store_true", help="one prefill for all the methods, as a sweep compiles it")
     p.add_argument(
         "--plans-per-prefill",
-        type=int,
+        type=int_at_least(1),
         default=PLANS_PER_PREFILL,
         help=f"with --shared: methods compiled into one shared prefill (default {PLANS_PER_PREFILL})",
     )
@@ -265,8 +265,6 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(error))
     if not 0.0 < args.budget <= 1.0:
         parser.error(f"--budget {args.budget} must be in (0, 1]")
-    if args.plans_per_prefill < 1:
-        parser.error(f"--plans-per-prefill {args.plans_per_prefill} must be at least 1")
     if args.model != TINY and not Path(args.requests).is_file():
         parser.error(f"--requests {args.requests}: no such file")
     return run(args)
