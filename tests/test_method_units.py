@@ -19,7 +19,7 @@ from pask_jax.methods.pyramidkv import pyramid_fractions
 from pask_jax.methods.snapkv import prompt_first_priority, window_attention, window_scores
 from pask_jax.models import qwen3
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
-from pask_jax.structure.roles import Role
+from pask_jax.structure.roles import Role, num_roles
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -367,3 +367,52 @@ def test_a_v1_policy_scores_the_request_as_it_scored_user_text():
         np.testing.assert_array_equal(_pask_prefill(method, [stand_in if r == U else r for r in v1], dapq), old)
     as_system = _pask_prefill(method, [Role.SYSTEM_TEXT if r == U else r for r in v1], dapq)
     assert not np.array_equal(as_system, old)  # the user's text has its own floor in this policy
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_floor_protected_matches_a_loop(seed: int):
+    """Per (sequence, head, role): exactly the ceil(floor * n) valid entries highest in the order, nothing padded."""
+    from pask_jax.methods.pask import floor_protected
+
+    rng = np.random.default_rng(seed)
+    b, k, t, r = 2, 2, 23, num_roles()
+    roles = rng.integers(0, 4, (b, t))  # few roles: several entries each
+    valid = np.arange(t)[None] < np.asarray([[t], [t - 5]])
+    order = np.stack([np.stack([rng.permutation(t) for _ in range(k)]) for _ in range(b)]).astype(np.float32)
+    floor = rng.choice([0.0, 0.3, 0.5, 1.0], r).astype(np.float32)
+    got = np.asarray(floor_protected(jnp.asarray(roles), jnp.asarray(valid), jnp.asarray(order), jnp.asarray(floor)))
+    want = np.zeros((b, k, t), bool)
+    for i in range(b):
+        for h in range(k):
+            for role in range(r):
+                idx = [x for x in range(t) if valid[i, x] and roles[i, x] == role]
+                top = sorted(idx, key=lambda x: -order[i, h, x])[: int(np.ceil(floor[role] * len(idx)))]
+                want[i, h, top] = True
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pask_floor_order_query_protects_what_the_query_attends_to():
+    """A half floor on a request: "recency" protects its later half, "query" the half DapQ ranks highest."""
+    from pask_jax.methods.pask import POSITION_RANGE, TIER
+
+    r = len(Role)
+    floor = np.zeros((r, 1))
+    floor[Role.REQUEST_TEXT] = 0.5
+    tables = dict(
+        floor=tuple(map(tuple, floor)),
+        priority=tuple(map(tuple, np.zeros((r, 1)))),
+        retain=((True,),) * r,
+        group_fractions=(0.5,),
+        layer_group=(0,),
+    )
+    roles = [Role.SINK] + [Role.REQUEST_TEXT] * 6
+    dapq = [0.0, 0.9, 0.1, 0.8, 0.2, 0.7, 0.3]  # the early, odd entries are what the answer needs
+    tier = lambda scores: (np.floor(scores / POSITION_RANGE) // TIER)[1:].tolist()  # noqa: E731
+    recent = _pask_prefill(PaskKV(**tables, pooling="none"), roles, dapq)
+    assert tier(recent) == [0, 0, 0, 1, 1, 1]
+    query = _pask_prefill(PaskKV(**tables, pooling="none", floor_order="query"), roles, dapq)
+    assert tier(query) == [1, 0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="floor_order"):
+        PaskKV(rank="recency", floor_order="query")
+    with pytest.raises(ValueError, match="floor_order"):
+        PaskKV(floor_order="oldest")

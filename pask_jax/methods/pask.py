@@ -23,6 +23,10 @@ Hyper-parameters:
   The query-aware order needs no grammar, so free-text answers keep it too.
 - `pooling`: "max" (default), "avg" or "none": DapQ's scores pooled along the keys (SnapKV's kernel of 7) before
   they order entries (the long-prompt dev choice).
+- `floor_order`: which of a role's entries its floor protects when the floor is a fraction. "recency" (default):
+  the most recent ceil(floor * n), the rule calibration measured floors with. "query": the ceil(floor * n) that the
+  query-aware order ranks highest (needs a DapQ `rank`). On a long request at a small budget the recent tail alone
+  can outnumber what a layer keeps, so an earlier passage the answer needs sits below all of it.
 - `system_as_request`: score a system message's text as REQUEST_TEXT (the request's floor, priority and action),
   default on. A system message either states the task or holds the request itself (a request placed before the
   tools); calibration items carry a fixed instruction there, which would give SYSTEM_TEXT nothing.
@@ -53,6 +57,7 @@ PRIORITY_LEVELS = 64
 TIER = PRIORITY_LEVELS + 1  # levels per tier: 0 unprotected, 1 floor-protected prompt, 2 retained generated
 RANKS = ("recency", "dapq", "dapq_tier")
 POOLINGS = ("none", "max", "avg")
+FLOOR_ORDERS = ("recency", "query")
 
 Table = tuple[tuple[float, ...], ...]  # [R][G]
 
@@ -71,6 +76,7 @@ class PaskKV(KVMethod):
     sinks: int = 1
     rank: str = "dapq_tier"  # or "dapq" / "recency"
     pooling: str = "max"  # of the DapQ scores that order entries: or "none" / "avg"
+    floor_order: str = "recency"  # or "query"
     system_as_request: bool = True
     schema_release: bool = False
 
@@ -79,6 +85,10 @@ class PaskKV(KVMethod):
             raise ValueError(f"PASK rank must be one of {RANKS}, not {self.rank!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"PASK pooling must be one of {POOLINGS}, not {self.pooling!r}")
+        if self.floor_order not in FLOOR_ORDERS:
+            raise ValueError(f"PASK floor_order must be one of {FLOOR_ORDERS}, not {self.floor_order!r}")
+        if self.floor_order == "query" and self.rank == "recency":
+            raise ValueError('PASK floor_order="query" needs a query-aware rank ("dapq" or "dapq_tier"), not "recency"')
 
     @classmethod
     def from_policy(cls, policy: PersistencePolicy, budget: float, **overrides) -> PaskKV:
@@ -120,34 +130,31 @@ class PaskKV(KVMethod):
         level = TIER * tier + jnp.round(PRIORITY_LEVELS * priority[roles])
         return level * POSITION_RANGE + jnp.minimum(positions, POSITION_RANGE - 1)
 
-    def role_scores(self, layer: int, ctx: PrefillContext) -> jax.Array:
-        """The prompt entries' levels from their roles, position inside a level -> f32[B, K, T]."""
+    def role_scores(self, layer: int, ctx: PrefillContext, order: jax.Array | None = None) -> jax.Array:
+        """The prompt entries' levels from their roles, position inside a level -> f32[B, K, T]. A role's floor
+        protects its entries highest in `order` (f32[B, K, T]; None: the most recent)."""
         floor, priority, _ = self._bucket_tables(layer)
         roles = ctx.roles  # i32[B, T]
         if self.system_as_request:
             roles = jnp.where(roles == int(Role.SYSTEM_TEXT), int(Role.REQUEST_TEXT), roles)
         roles = jnp.where(ctx.positions < self.sinks, int(Role.SINK), roles)
-        # Floors protect the most recent ceil(floor * n) entries of each (sequence, role): rank from the end.
-        onehot = (roles[..., None] == jnp.arange(num_roles())) & ctx.valid[..., None]  # [B, T, R]
-        later = jnp.flip(jnp.cumsum(jnp.flip(onehot, 1), 1), 1) - onehot  # same-role tokens after t
-        rank_from_end = jnp.take_along_axis(later, roles[..., None], -1)[..., 0]
-        count = jnp.take_along_axis(onehot.sum(1), roles, -1)  # [B, T]
-        protected = rank_from_end < jnp.ceil(floor[roles] * count)
-        score = jnp.where(
-            ctx.positions < self.sinks, PROTECTED, self._score(priority, roles, 1 * protected, ctx.positions)
-        )
-        return jnp.broadcast_to(score[:, None].astype(jnp.float32), (score.shape[0], ctx.kv_heads, score.shape[1]))
+        b, t = roles.shape
+        if order is None:
+            order = jnp.broadcast_to(ctx.positions[:, None].astype(jnp.float32), (b, ctx.kv_heads, t))
+        protected = floor_protected(roles, ctx.valid, order, floor)  # bool[B, K, T]
+        score = self._score(priority, roles[:, None], 1 * protected, ctx.positions[:, None])
+        return jnp.where((ctx.positions < self.sinks)[:, None], PROTECTED, score).astype(jnp.float32)
 
     def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
-        scores = [self.role_scores(layer, ctx) for layer in range(len(observed))]
         if self.rank == "recency":
-            return scores
+            return [self.role_scores(layer, ctx) for layer in range(len(observed))]
         # Inside a level (or a tier), order prompt entries by DapQ's pseudo-query attention: its rank replaces the
         # position (and, for "dapq_tier", the priority).
         pseudo = DapQ(pooling=self.pooling).prefill_scores(observed, ctx)
         ranked = []
-        for score, d in zip(scores, pseudo, strict=True):
+        for layer, d in enumerate(pseudo):
             order = jnp.argsort(jnp.argsort(jnp.where(ctx.valid[:, None], d, -jnp.inf), axis=-1), axis=-1)
+            score = self.role_scores(layer, ctx, order.astype(jnp.float32) if self.floor_order == "query" else None)
             level = jnp.floor(score / POSITION_RANGE)
             if self.rank == "dapq_tier":
                 level = TIER * jnp.floor(level / TIER)
@@ -172,3 +179,16 @@ class PaskKV(KVMethod):
         called = called[:, None, None]
         unchosen = (tool != NO_TOOL) & (called != NO_TOOL) & (tool != called)
         return jnp.where(unchosen, pos.astype(jnp.float32) - POSITION_RANGE, priority)  # below every level (>= 0)
+
+
+def floor_protected(roles: jax.Array, valid: jax.Array, order: jax.Array, floor: jax.Array) -> jax.Array:
+    """bool[B, K, T]: per sequence, KV head and role, the ceil(floor * n) valid entries of the role (n of them)
+    highest in `order` (f32[B, K, T], distinct values per row); roles i32[B, T], valid bool[B, T], floor f32[R]."""
+    r = num_roles()
+    group = jnp.broadcast_to(jnp.where(valid, roles, r)[:, None], order.shape)  # padding sorts after every role
+    place = jnp.argsort(jnp.lexsort((-order, group), axis=-1), axis=-1)  # by role, then highest order first
+    count = jax.nn.one_hot(group, r + 1, dtype=jnp.int32).sum(-2)  # i32[B, K, R + 1]
+    start = jnp.cumsum(count, -1) - count  # where each role's run begins
+    rank = place - jnp.take_along_axis(start, group, -1)  # place inside the role's run
+    quota = jnp.ceil(floor[jnp.minimum(group, r - 1)] * jnp.take_along_axis(count, group, -1))
+    return (group < r) & (rank < quota)
