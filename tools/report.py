@@ -490,6 +490,14 @@ class Tuning:
 
     files: tuple[str, ...]
     budget: float
+    pask_from: Tuning | None = None  # PASK's variant chosen by another tuning (PASK v2's, on long dev prompts)
+
+    def choices(self, root: Path) -> dict[str, str]:
+        """method -> the variant the dev rule chose (PASK's from `pask_from` where given)."""
+        chosen = choose_variants(self.dev_result(root), self.budget)
+        if self.pask_from is not None:
+            chosen["pask"] = self.pask_from.choices(root)["pask"]
+        return chosen
 
     def dev_parts(self, root: Path) -> list[dict]:
         """Each dev file's result, refused if it scores any item outside the dev part."""
@@ -511,6 +519,7 @@ V2_TUNING = Tuning(  # PASK v2 on long prompts: the long-prompt baselines' dev r
     ("results/dev_v2/bfcl_dev_long2k_v2_question_last.json", "results/dev_v2/bfcl_dev_long2k_v2_question_first.json"),
     0.2,
 )
+SHORT_V2_TUNING = Tuning((DEV_TUNING,), TUNING_BUDGET, pask_from=V2_TUNING)  # short prompts under PASK v2
 LONG_TUNING = Tuning(  # long prompts: every method's variant chosen on long dev prompts, both layouts
     ("results/dev_long/bfcl_dev_long2k_question_last.json", "results/dev_long/bfcl_dev_long2k_question_first.json"),
     0.2,
@@ -569,7 +578,7 @@ def _frozen_eval(
     Refuses a result that scored any variant other than the rule's choice and the method's default (reported beside
     it), or any item outside the evaluation part."""
     result = load_json(root, file)
-    chosen = choose_variants(tuning.dev_result(root), tuning.budget)
+    chosen = tuning.choices(root)
     scored = {spec for spec, _ in _keys(result)} - {"full"}
     if stray := sorted(scored - set(chosen.values()) - set(chosen)):
         raise ReportError(f"{file} scores {stray}, neither the dev rule's choice ({chosen}) nor a default")
@@ -743,9 +752,10 @@ def long_prompts(root: Path, file: str, tuning: Tuning = SHORT_TUNING) -> str:
     lengths = [i["prompt_tokens"] for i in items_of(result, "full", 1.0)]
     runs = _runs(result, "full", 1.0)
     prepare = sum(r["prepare_s"] for r in runs) / sum(r["n"] for r in runs)
+    shape = f"at most {cfg['context']}, {cfg['layout'].replace('_', ' ')}" if cfg["context"] else "BFCL's own prompts"
     claim = (
         f"{len(pask)} evaluation questions ({', '.join(positive)}) in prompts of {min(lengths)}-{max(lengths)} tokens "
-        f"(at most {cfg['context']}, {cfg['layout'].replace('_', ' ')}), every tool of the prompt in the grammar "
+        f"({shape}), every tool of the prompt in the grammar "
         f"({prepare:.1f} s per prompt to build it and compile its grammar): full KV {sum(full[c][0] for c in positive)}"
         f" correct; " + "; ".join(parts) + "."
     )
