@@ -1042,6 +1042,30 @@ def niah_qwen05b(root: Path, file: str = NIAH_FILE) -> str:
     return _block(claim, _table([*head, "paper, 8k at 3% (LLaMA-3-8B)"], rows))
 
 
+def niah_floor_reach(root: Path, file: str = "results/niah_floor_reach_dev.json") -> str:
+    """Per budget and layer group: how many prompt entries PASK's floors protect against what a layer keeps, and at
+    which depths the needle is among them (`scripts/niah_floor_reach.py`, roles only)."""
+    result = load_json(root, file)
+    rows, parts = [], []
+    for budget, group in dict.fromkeys((r["budget"], r["group"]) for r in result["rows"]):
+        mine = [r for r in result["rows"] if (r["budget"], r["group"]) == (budget, group)]
+        ratio = sum(r["protected"] / r["kept_per_layer"] for r in mine) / len(mine)
+        reached = [r for r in mine if r["needle_protected"]]
+        depths = ", ".join(f"{d:g}" for d in sorted({r["depth"] for r in reached})) or "none"
+        rows.append([f"{budget:g}", group, f"{ratio:.2f}", f"{len(reached)}/{len(mine)}", depths])
+        if group and budget == min(r["budget"] for r in result["rows"]):
+            parts.append(f"group {group} {ratio:.1f}x")
+    lengths = sorted({r["length"] for r in result["rows"]})
+    claim = (
+        f"Dev needle prompts (seed {result['seed']}, {', '.join(f'{n // 1024}k' for n in lengths)}, both haystacks), "
+        f"the policy {result['policy']}: at b = {min(r['budget'] for r in result['rows']):g} the floors protect "
+        + ", ".join(parts)
+        + " the entries a layer keeps."
+    )
+    head = ["b", "layer group", "protected / kept per layer", "needle protected", "at depths"]
+    return _block(claim, _table(head, rows))
+
+
 def leading_digits_right(number: str, read: str | None) -> int:
     """How many digits of the needle's number the answer gets right before its first wrong one."""
     return next(
@@ -1505,6 +1529,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "niah_32k": functools.partial(niah_qwen05b, file="results/niah_32k_qwen2.5-coder-0.5b.json"),
     "niah_4k8k_shipped": functools.partial(niah_qwen05b, file="results/niah_4k8k_shipped_qwen2.5-coder-0.5b.json"),
     "niah_pooling_probe": niah_pooling_probe,
+    "niah_floor_reach_dev": niah_floor_reach,
+    "niah_dev_query_floors": functools.partial(niah_qwen05b, file="results/dev_v2/niah_dev_seed1_4k_query_floors.json"),
     "bench_kernel": bench_kernel,
     "bench_prefill": bench_prefill,
     "prefill_compute": prefill_compute,
