@@ -1558,6 +1558,9 @@ TABLES: dict[str, Callable[[Path], str]] = {
         for layout in ("question_last", "question_first")
     },
     "dev_tuning_v2_long2k": functools.partial(dev_tuning, tuning=V2_TUNING),
+    "short_prompts_v2": functools.partial(
+        long_prompts, file="results/short_v2/bfcl_short_v2.json", tuning=SHORT_V2_TUNING
+    ),
     **{
         f"long_prompts_2k_v2_{layout}": functools.partial(
             long_prompts, file=f"results/long_v2/bfcl_long2k_v2_{layout}.json", tuning=V2_TUNING
