@@ -520,6 +520,13 @@ V2_TUNING = Tuning(  # PASK v2 on long prompts: the long-prompt baselines' dev r
     0.2,
 )
 SHORT_V2_TUNING = Tuning((DEV_TUNING,), TUNING_BUDGET, pask_from=V2_TUNING)  # short prompts under PASK v2
+QUERY_FLOORS_LONG = Tuning(  # PASK's default against query-ranked floors on the long dev prompts (main's code)
+    (
+        "results/dev_v2/bfcl_dev_long2k_query_floors_question_last.json",
+        "results/dev_v2/bfcl_dev_long2k_query_floors_question_first.json",
+    ),
+    0.2,
+)
 LONG_TUNING = Tuning(  # long prompts: every method's variant chosen on long dev prompts, both layouts
     ("results/dev_long/bfcl_dev_long2k_question_last.json", "results/dev_long/bfcl_dev_long2k_question_first.json"),
     0.2,
@@ -560,7 +567,9 @@ def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
         rows.append([spec, _settings(result, spec), *cells, *per_file, f"{correct}/{n}", mark])
     (n,) = {n for _, n in totals.values()}
     claim = (
-        f"On {n} dev items at b = {tuning.budget:g} (full KV {totals['full'][0]}), the rule chose "
+        f"On {n} dev items at b = {tuning.budget:g}"
+        + (f" (full KV {totals['full'][0]})" if "full" in totals else "")
+        + ", the rule chose "
         + ", ".join(f"{spec} ({totals[spec][0]})" for spec in chosen.values())
         + "."
     )
@@ -1558,6 +1567,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
         for layout in ("question_last", "question_first")
     },
     "dev_tuning_v2_long2k": functools.partial(dev_tuning, tuning=V2_TUNING),
+    "dev_query_floors_long2k": functools.partial(dev_tuning, tuning=QUERY_FLOORS_LONG),
     "short_prompts_v2": functools.partial(
         long_prompts, file="results/short_v2/bfcl_short_v2.json", tuning=SHORT_V2_TUNING
     ),
