@@ -527,6 +527,7 @@ QUERY_FLOORS_LONG = Tuning(  # PASK's default against query-ranked floors on the
     ),
     0.2,
 )
+DEV_1_5B = Tuning(("results/dev_1_5b/dev_b033.json",), TUNING_BUDGET)  # the 1.5B model's own dev grid
 LONG_TUNING = Tuning(  # long prompts: every method's variant chosen on long dev prompts, both layouts
     ("results/dev_long/bfcl_dev_long2k_question_last.json", "results/dev_long/bfcl_dev_long2k_question_first.json"),
     0.2,
@@ -1568,6 +1569,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     },
     "dev_tuning_v2_long2k": functools.partial(dev_tuning, tuning=V2_TUNING),
     "dev_query_floors_long2k": functools.partial(dev_tuning, tuning=QUERY_FLOORS_LONG),
+    "dev_tuning_1_5b": functools.partial(dev_tuning, tuning=DEV_1_5B),
     "short_prompts_v2": functools.partial(
         long_prompts, file="results/short_v2/bfcl_short_v2.json", tuning=SHORT_V2_TUNING
     ),
