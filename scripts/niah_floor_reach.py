@@ -58,9 +58,8 @@ def reach(prompt: niah.NiahPrompt, method: PaskKV, tokenizer, groups: list[tuple
         rows.append(
             {
                 "group": g,
-                "kept_per_layer": math.ceil(method.group_fractions[g] * t) if method.group_fractions else None,
+                "kept_per_layer": math.ceil(method.group_fractions[g] * t),
                 "protected": int(protected.sum()),
-                "first_protected_position": int(np.argmax(protected[1:])) + 1,
                 "needle_protected": bool(protected[list(span)].all()),
             }
         )

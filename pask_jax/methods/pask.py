@@ -138,12 +138,12 @@ class PaskKV(KVMethod):
         if self.system_as_request:
             roles = jnp.where(roles == int(Role.SYSTEM_TEXT), int(Role.REQUEST_TEXT), roles)
         roles = jnp.where(ctx.positions < self.sinks, int(Role.SINK), roles)
-        b, t = roles.shape
-        if order is None:
-            order = jnp.broadcast_to(ctx.positions[:, None].astype(jnp.float32), (b, ctx.kv_heads, t))
-        protected = floor_protected(roles, ctx.valid, order, floor)  # bool[B, K, T]
+        if order is None:  # the most recent first: the same for every KV head, so sorted once
+            order = ctx.positions[:, None].astype(jnp.float32)  # f32[B, 1, T]
+        protected = floor_protected(roles, ctx.valid, order, floor)  # bool[B, K or 1, T]
         score = self._score(priority, roles[:, None], 1 * protected, ctx.positions[:, None])
-        return jnp.where((ctx.positions < self.sinks)[:, None], PROTECTED, score).astype(jnp.float32)
+        score = jnp.where((ctx.positions < self.sinks)[:, None], PROTECTED, score)
+        return jnp.broadcast_to(score, (*roles.shape[:1], ctx.kv_heads, roles.shape[1])).astype(jnp.float32)
 
     def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
         if self.rank == "recency":
@@ -183,7 +183,8 @@ class PaskKV(KVMethod):
 
 def floor_protected(roles: jax.Array, valid: jax.Array, order: jax.Array, floor: jax.Array) -> jax.Array:
     """bool[B, K, T]: per sequence, KV head and role, the ceil(floor * n) valid entries of the role (n of them)
-    highest in `order` (f32[B, K, T], distinct values per row); roles i32[B, T], valid bool[B, T], floor f32[R]."""
+    highest in `order` (f32[B, K, T], distinct values per row; K may be 1); roles i32[B, T], valid bool[B, T],
+    floor f32[R]."""
     r = num_roles()
     group = jnp.broadcast_to(jnp.where(valid, roles, r)[:, None], order.shape)  # padding sorts after every role
     place = jnp.argsort(jnp.lexsort((-order, group), axis=-1), axis=-1)  # by role, then highest order first
