@@ -556,7 +556,7 @@ def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
     parts = tuning.dev_parts(root)
     result = tuning.dev_result(root, parts)
     by_file = parts if len(parts) > 1 else []  # a column per file only when there are several
-    chosen = choose_variants(result, tuning.budget)
+    chosen = tuning.choices(root)  # PASK's mark follows `pask_from` where the tuning takes PASK's choice elsewhere
     totals = dev_totals(result, tuning.budget)
     present = [c for c in bfcl.CATEGORIES if any(r["category"] == c for r in result["runs"])]
     rows = []
@@ -571,7 +571,7 @@ def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
         f"On {n} dev items at b = {tuning.budget:g}"
         + (f" (full KV {totals['full'][0]})" if "full" in totals else "")
         + ", the rule chose "
-        + ", ".join(f"{spec} ({totals[spec][0]})" for spec in chosen.values())
+        + ", ".join(f"{spec} ({totals[spec][0]})" for spec in chosen.values() if spec in totals)
         + "."
     )
     layouts = [part["config"]["layout"].replace("_", " ") for part in by_file]
