@@ -1570,14 +1570,20 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "dev_tuning_v2_long2k": functools.partial(dev_tuning, tuning=V2_TUNING),
     "dev_query_floors_long2k": functools.partial(dev_tuning, tuning=QUERY_FLOORS_LONG),
     "dev_tuning_1_5b": functools.partial(dev_tuning, tuning=DEV_1_5B),
-    "short_prompts_v2": functools.partial(
-        long_prompts, file="results/short_v2/bfcl_short_v2.json", tuning=SHORT_V2_TUNING
-    ),
+    **{
+        f"short_prompts_v2{part}": functools.partial(
+            long_prompts, file=f"results/short_v2/bfcl_short_v2{part}.json", tuning=SHORT_V2_TUNING
+        )
+        for part in ("",)
+    },
     **{
         f"long_prompts_2k_v2_{layout}": functools.partial(
-            long_prompts, file=f"results/long_v2/bfcl_long2k_v2_{layout}.json", tuning=V2_TUNING
+            long_prompts, file=f"results/long_v2/{file}", tuning=V2_TUNING
         )
-        for layout in ("question_last", "question_first")
+        for layout, file in (
+            ("question_last", "bfcl_long2k_v2_budgets_question_last.json"),  # b = 0.2, then 0.1 and 0.33 merged in
+            ("question_first", "bfcl_long2k_v2_question_first.json"),
+        )
     },
     "schema_suites": schema_suites,
     "schema_masks": schema_masks,
