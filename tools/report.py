@@ -1574,7 +1574,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
         f"short_prompts_v2{part}": functools.partial(
             long_prompts, file=f"results/short_v2/bfcl_short_v2{part}.json", tuning=SHORT_V2_TUNING
         )
-        for part in ("",)
+        for part in ("", "_items0_24", "_pooled")
     },
     **{
         f"long_prompts_2k_v2_{layout}": functools.partial(
