@@ -1577,12 +1577,12 @@ TABLES: dict[str, Callable[[Path], str]] = {
         for part in ("", "_items0_24", "_pooled")
     },
     **{
-        f"long_prompts_2k_v2_{layout}": functools.partial(
-            long_prompts, file=f"results/long_v2/{file}", tuning=V2_TUNING
-        )
-        for layout, file in (
+        f"long_prompts_2k_v2_{name}": functools.partial(long_prompts, file=f"results/long_v2/{file}", tuning=V2_TUNING)
+        for name, file in (
             ("question_last", "bfcl_long2k_v2_budgets_question_last.json"),  # b = 0.2, then 0.1 and 0.33 merged in
             ("question_first", "bfcl_long2k_v2_question_first.json"),
+            ("1_5b_question_last", "bfcl_long2k_v2_1_5b_question_last.json"),
+            ("1_5b_question_first", "bfcl_long2k_v2_1_5b_question_first.json"),
         )
     },
     "schema_suites": schema_suites,
