@@ -492,9 +492,10 @@ class Tuning:
     budget: float
     pask_from: Tuning | None = None  # PASK's variant chosen by another tuning (PASK v2's, on long dev prompts)
 
-    def choices(self, root: Path) -> dict[str, str]:
-        """method -> the variant the dev rule chose (PASK's from `pask_from` where given)."""
-        chosen = choose_variants(self.dev_result(root), self.budget)
+    def choices(self, root: Path, dev: dict | None = None) -> dict[str, str]:
+        """method -> the variant the dev rule chose (PASK's from `pask_from` where given); `dev`: this tuning's dev
+        result when the caller has read it already."""
+        chosen = choose_variants(self.dev_result(root) if dev is None else dev, self.budget)
         if self.pask_from is not None:
             chosen["pask"] = self.pask_from.choices(root)["pask"]
         return chosen
@@ -556,7 +557,7 @@ def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
     parts = tuning.dev_parts(root)
     result = tuning.dev_result(root, parts)
     by_file = parts if len(parts) > 1 else []  # a column per file only when there are several
-    chosen = tuning.choices(root)  # PASK's mark follows `pask_from` where the tuning takes PASK's choice elsewhere
+    chosen = tuning.choices(root, result)  # PASK's mark follows `pask_from` where the tuning takes it elsewhere
     totals = dev_totals(result, tuning.budget)
     present = [c for c in bfcl.CATEGORIES if any(r["category"] == c for r in result["runs"])]
     rows = []

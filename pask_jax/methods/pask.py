@@ -138,12 +138,13 @@ class PaskKV(KVMethod):
         if self.system_as_request:
             roles = jnp.where(roles == int(Role.SYSTEM_TEXT), int(Role.REQUEST_TEXT), roles)
         roles = jnp.where(ctx.positions < self.sinks, int(Role.SINK), roles)
+        b, t = roles.shape
         if order is None:  # the most recent first: the same for every KV head, so sorted once
             order = ctx.positions[:, None].astype(jnp.float32)  # f32[B, 1, T]
         protected = floor_protected(roles, ctx.valid, order, floor)  # bool[B, K or 1, T]
         score = self._score(priority, roles[:, None], 1 * protected, ctx.positions[:, None])
         score = jnp.where((ctx.positions < self.sinks)[:, None], PROTECTED, score)
-        return jnp.broadcast_to(score, (*roles.shape[:1], ctx.kv_heads, roles.shape[1])).astype(jnp.float32)
+        return jnp.broadcast_to(score, (b, ctx.kv_heads, t)).astype(jnp.float32)
 
     def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
         if self.rank == "recency":
