@@ -283,10 +283,16 @@ def split_overlap(root: Path) -> str:
 PAIRED_HEAD = ("items", "A right", "B right", "only A", "only B", "A - B, points [95% CI]", "McNemar p")
 
 
+def _paired_interval(a: dict[str, bool], b: dict[str, bool]) -> tuple[float, float]:
+    """The 95% paired bootstrap interval of accuracy(a) - accuracy(b) over the items both scored."""
+    items = [i for i in a if i in b]
+    return paired_bootstrap_ci([a[i] for i in items], [b[i] for i in items])
+
+
 def _paired_row(label: str, a: dict[str, bool], b: dict[str, bool]) -> list[str]:
     """A row of PAIRED_HEAD: counts, the item-weighted accuracy difference with its bootstrap interval, McNemar p."""
     items, only_a, only_b = paired_counts(a, b)
-    low, high = paired_bootstrap_ci([a[i] for i in items], [b[i] for i in items])
+    low, high = _paired_interval(a, b)
     right_a, right_b = sum(a[i] for i in items), sum(b[i] for i in items)
     interval = f"{_points((right_a - right_b) / len(items))} [{_points(low)}, {_points(high)}]"
     return [label, len(items), right_a, right_b, only_a, only_b, interval, f"{mcnemar_exact_p(only_a, only_b):.3f}"]
@@ -727,6 +733,13 @@ def readme_headline(root: Path, files: Sequence[str] = (SCHEMA_EVAL, SCHEMA_EVAL
 WRONG_FUNCTION = "simple_function_checker:wrong_func_name"  # BFCL's error type for a call to another function
 
 
+def _strongest_baseline(result: dict, budget: float, positive: list[str]) -> str:
+    """The baseline row (tuned or default) with the most correct items at `budget`: the comparison hardest for PASK
+    (reported, never used to choose anything)."""
+    baselines = [s for s, b in _keys(result) if math.isclose(b, budget) and method_of(s) not in ("full", "pask")]
+    return max(baselines, key=lambda s: sum(outcomes(result, s, budget, positive).values()))
+
+
 def long_prompts(root: Path, file: str, tuning: Tuning = SHORT_TUNING) -> str:
     """Long prompts under frozen methods (chosen by `tuning`): accuracy per category and over the full-KV-positive
     categories, the prompt lengths and grammar time, then PASK (its chosen variant, and its default where that
@@ -744,9 +757,7 @@ def long_prompts(root: Path, file: str, tuning: Tuning = SHORT_TUNING) -> str:
     paired, parts = [], []
     for budget in _scored_budgets(result, chosen["pask"]):
         rows += [row(s, budget) for s in _shown_specs(result, chosen, budget)]
-        # the strongest baseline row, tuned or default: the comparison hardest for PASK (reported, not chosen)
-        baselines = [s for s, b in _keys(result) if math.isclose(b, budget) and method_of(s) not in ("full", "pask")]
-        best = max(baselines, key=lambda s: sum(outcomes(result, s, budget, positive).values()))
+        best = _strongest_baseline(result, budget, positive)
         named, differences = [], []
         for spec in [s for s in _shown_specs(result, chosen, budget) if method_of(s) == "pask"]:
             name = "PASK" if spec == "pask" else spec
@@ -772,6 +783,47 @@ def long_prompts(root: Path, file: str, tuning: Tuning = SHORT_TUNING) -> str:
     )
     head = ["method", "b", *columns, "mean where full KV > 0", "wrong function called"]
     return _block(claim, _table(head, rows), _table(["A vs B", *PAIRED_HEAD], paired))
+
+
+DEFAULT_PASK_SAMPLES = (  # the default PASK's frozen evaluation samples: (model, prompts, file, tuning)
+    ("0.5B", "BFCL's own (300-800 tokens)", "results/short_v2/bfcl_short_v2_pooled.json", SHORT_V2_TUNING),
+    ("0.5B", "2k tokens, question last", "results/long_v2/bfcl_long2k_v2_budgets_question_last.json", V2_TUNING),
+    ("0.5B", "2k tokens, question first", "results/long_v2/bfcl_long2k_v2_question_first.json", V2_TUNING),
+    ("1.5B", "2k tokens, question last", "results/long_v2/bfcl_long2k_v2_1_5b_question_last.json", V2_TUNING),
+    ("1.5B", "2k tokens, question first", "results/long_v2/bfcl_long2k_v2_1_5b_question_first.json", V2_TUNING),
+)
+
+
+def readme_default(root: Path, samples: Sequence[tuple[str, str, str, Tuning]] = DEFAULT_PASK_SAMPLES) -> str:
+    """The README's table of the default PASK: per frozen sample and budget, correct items of full KV, PASK and the
+    strongest baseline row, with PASK's paired differences against both."""
+    rows, differences = [], []  # differences: (PASK - baseline correct, interval low, high) per row
+    for model, prompts, file, tuning in samples:
+        result, chosen, positive = _frozen_eval(root, file, tuning)
+        full = outcomes(result, "full", 1.0, positive)
+        for budget in _scored_budgets(result, chosen["pask"]):
+            best = _strongest_baseline(result, budget, positive)
+            pask = outcomes(result, chosen["pask"], budget, positive)
+            baseline = outcomes(result, best, budget, positive)
+            against_best = _paired_row("", pask, baseline)
+            differences.append((against_best[2] - against_best[3], *_paired_interval(pask, baseline)))
+            against_full = _paired_row("", pask, full)
+            rows.append(
+                [model, prompts, f"{budget:g}", len(pask), sum(full.values()), sum(pask.values()),
+                 f"{best} {against_best[3]}", f"{against_best[6]}, p = {against_best[7]}",
+                 f"{against_full[6]}, p = {against_full[7]}"]
+            )  # fmt: skip
+    ahead = sum(d > 0 for d, _, _ in differences)
+    behind = sum(d < 0 for d, _, _ in differences)
+    clear = sum(low > 0 or high < 0 for _, low, high in differences)
+    claim = (
+        f"The default PASK on its frozen evaluation samples (BFCL's non-parallel categories, items no choice looked "
+        f"at), against the strongest baseline row: ahead in {ahead} of {len(rows)} sample-budget cells, behind in "
+        f"{behind}; the 95% interval excludes 0 in {clear}."
+    )
+    head = ["model", "prompts", "b", "items", "full KV", "PASK", "strongest baseline", "PASK - strongest",
+            "PASK - full KV"]  # fmt: skip
+    return _block(claim, _table(head, rows))
 
 
 # ---- calibration ----------------------------------------------------------------------------------------------------
@@ -1560,6 +1612,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "schema_eval_budgets": functools.partial(schema_eval, file=SCHEMA_EVAL_BUDGETS),
     "schema_paired_budgets": functools.partial(schema_paired, file=SCHEMA_EVAL_BUDGETS),
     "readme_headline": readme_headline,
+    "readme_default": readme_default,
     "long_prompts_2k_question_last": functools.partial(long_prompts, file="results/bfcl_long2k_question_last.json"),
     "long_prompts_2k_question_first": functools.partial(long_prompts, file="results/bfcl_long2k_question_first.json"),
     **{
