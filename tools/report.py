@@ -790,6 +790,7 @@ DEFAULT_PASK_SAMPLES = (  # the default PASK's frozen evaluation samples: (model
     ("0.5B", "2k tokens, question last", "results/long_v2/bfcl_long2k_v2_budgets_question_last.json", V2_TUNING),
     ("0.5B", "2k tokens, question first", "results/long_v2/bfcl_long2k_v2_question_first.json", V2_TUNING),
     ("0.5B", "4k tokens, question last", "results/long_v2/bfcl_long4k_v2_question_last.json", V2_TUNING),
+    ("0.5B", "4k tokens, question first", "results/long_v2/bfcl_long4k_v2_question_first.json", V2_TUNING),
     ("1.5B", "2k tokens, question last", "results/long_v2/bfcl_long2k_v2_1_5b_question_last.json", V2_TUNING),
     ("1.5B", "2k tokens, question first", "results/long_v2/bfcl_long2k_v2_1_5b_question_first.json", V2_TUNING),
 )
@@ -1639,6 +1640,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
             ("2k_v2_1_5b_question_last", "bfcl_long2k_v2_1_5b_question_last.json"),
             ("2k_v2_1_5b_question_first", "bfcl_long2k_v2_1_5b_question_first.json"),
             ("4k_v2_question_last", "bfcl_long4k_v2_question_last.json"),
+            ("4k_v2_question_first", "bfcl_long4k_v2_question_first.json"),
         )
     },
     "schema_suites": schema_suites,
