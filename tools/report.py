@@ -487,6 +487,7 @@ DEV_TUNING = "results/dev_tuning/dev_b033.json"
 SCHEMA_EVAL = "results/bfcl_schema_eval.json"
 SCHEMA_EVAL_1_5B = "results/bfcl_schema_eval_qwen2.5-coder-1.5b.json"  # section 1's frozen methods, 1.5B
 SCHEMA_EVAL_BUDGETS = "results/bfcl_schema_eval_budgets.json"  # the same, b = 0.2 / 0.33 / 0.5, two categories
+SCHEMA_EVAL_B02 = "results/bfcl_schema_eval_b02_b033.json"  # the same, b = 0.2 and 0.33, four categories
 TUNING_BUDGET = 0.33
 
 
@@ -1613,6 +1614,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "schema_paired_1_5b": functools.partial(schema_paired, file=SCHEMA_EVAL_1_5B),
     "schema_eval_budgets": functools.partial(schema_eval, file=SCHEMA_EVAL_BUDGETS),
     "schema_paired_budgets": functools.partial(schema_paired, file=SCHEMA_EVAL_BUDGETS),
+    "schema_eval_b02_b033": functools.partial(schema_eval, file=SCHEMA_EVAL_B02),
+    "schema_paired_b02_b033": functools.partial(schema_paired, file=SCHEMA_EVAL_B02),
     "readme_headline": readme_headline,
     "readme_default": readme_default,
     "long_prompts_2k_question_last": functools.partial(long_prompts, file="results/bfcl_long2k_question_last.json"),
