@@ -685,7 +685,7 @@ def schema_paired(root: Path, file: str = SCHEMA_EVAL) -> str:
 
 
 def readme_headline(root: Path, files: Sequence[str] = (SCHEMA_EVAL, SCHEMA_EVAL_1_5B)) -> str:
-    """The README's results table: each model's frozen evaluation (`schema_eval`) side by side, as the mean over the
+    """The first PASK on both models: each model's frozen evaluation (`schema_eval`) side by side, as the mean over the
     full-KV-positive categories per method, then PASK paired against its model's best tuned baseline and full KV."""
     evals = [_frozen_eval(root, file) for file in files]
     models = [result["model"] for result, _, _ in evals]
