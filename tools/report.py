@@ -283,19 +283,41 @@ def split_overlap(root: Path) -> str:
 PAIRED_HEAD = ("items", "A right", "B right", "only A", "only B", "A - B, points [95% CI]", "McNemar p")
 
 
-def _paired_interval(a: dict[str, bool], b: dict[str, bool]) -> tuple[float, float]:
-    """The 95% paired bootstrap interval of accuracy(a) - accuracy(b) over the items both scored."""
-    items = [i for i in a if i in b]
-    return paired_bootstrap_ci([a[i] for i in items], [b[i] for i in items])
+@dataclasses.dataclass(frozen=True)
+class Paired:
+    """A against B item by item over the items both scored: counts and the 95% paired bootstrap interval of the
+    accuracy difference."""
+
+    items: int
+    right_a: int
+    right_b: int
+    only_a: int
+    only_b: int
+    low: float
+    high: float
+
+    @property
+    def difference(self) -> str:  # points, with the interval
+        return f"{_points((self.right_a - self.right_b) / self.items)} [{_points(self.low)}, {_points(self.high)}]"
+
+    @property
+    def p(self) -> str:  # McNemar's exact p
+        return f"{mcnemar_exact_p(self.only_a, self.only_b):.3f}"
+
+    def row(self, label: str) -> list[object]:  # a row of PAIRED_HEAD
+        return [label, self.items, self.right_a, self.right_b, self.only_a, self.only_b, self.difference, self.p]
 
 
-def _paired_row(label: str, a: dict[str, bool], b: dict[str, bool]) -> list[str]:
-    """A row of PAIRED_HEAD: counts, the item-weighted accuracy difference with its bootstrap interval, McNemar p."""
+def paired(a: dict[str, bool], b: dict[str, bool]) -> Paired:
     items, only_a, only_b = paired_counts(a, b)
-    low, high = _paired_interval(a, b)
+    low, high = paired_bootstrap_ci([a[i] for i in items], [b[i] for i in items])
     right_a, right_b = sum(a[i] for i in items), sum(b[i] for i in items)
-    interval = f"{_points((right_a - right_b) / len(items))} [{_points(low)}, {_points(high)}]"
-    return [label, len(items), right_a, right_b, only_a, only_b, interval, f"{mcnemar_exact_p(only_a, only_b):.3f}"]
+    return Paired(len(items), right_a, right_b, only_a, only_b, low, high)
+
+
+def _paired_row(label: str, a: dict[str, bool], b: dict[str, bool]) -> list[object]:
+    """A row of PAIRED_HEAD: counts, the item-weighted accuracy difference with its bootstrap interval, McNemar p."""
+    return paired(a, b).row(label)
 
 
 def overlap_pask_dapq(root: Path) -> str:
@@ -800,25 +822,24 @@ DEFAULT_PASK_SAMPLES = (  # the default PASK's frozen evaluation samples: (model
 def readme_default(root: Path, samples: Sequence[tuple[str, str, str, Tuning]] = DEFAULT_PASK_SAMPLES) -> str:
     """The README's table of the default PASK: per frozen sample and budget, correct items of full KV, PASK and the
     strongest baseline row, with PASK's paired differences against both."""
-    rows, differences = [], []  # differences: (PASK - baseline correct, interval low, high) per row
+    rows, comparisons = [], []  # comparisons: PASK against the strongest baseline, per row
     for model, prompts, file, tuning in samples:
         result, chosen, positive = _frozen_eval(root, file, tuning)
         full = outcomes(result, "full", 1.0, positive)
         for budget in _scored_budgets(result, chosen["pask"]):
             best = _strongest_baseline(result, budget, positive)
             pask = outcomes(result, chosen["pask"], budget, positive)
-            baseline = outcomes(result, best, budget, positive)
-            against_best = _paired_row("", pask, baseline)
-            differences.append((against_best[2] - against_best[3], *_paired_interval(pask, baseline)))
-            against_full = _paired_row("", pask, full)
+            against_best = paired(pask, outcomes(result, best, budget, positive))
+            against_full = paired(pask, full)
+            comparisons.append(against_best)
             rows.append(
                 [model, prompts, f"{budget:g}", len(pask), sum(full.values()), sum(pask.values()),
-                 f"{best} {against_best[3]}", f"{against_best[6]}, p = {against_best[7]}",
-                 f"{against_full[6]}, p = {against_full[7]}"]
+                 f"{best} {against_best.right_b}", f"{against_best.difference}, p = {against_best.p}",
+                 f"{against_full.difference}, p = {against_full.p}"]
             )  # fmt: skip
-    ahead = sum(d > 0 for d, _, _ in differences)
-    behind = sum(d < 0 for d, _, _ in differences)
-    clear = sum(low > 0 or high < 0 for _, low, high in differences)
+    ahead = sum(c.right_a > c.right_b for c in comparisons)
+    behind = sum(c.right_a < c.right_b for c in comparisons)
+    clear = sum(c.low > 0 or c.high < 0 for c in comparisons)
     claim = (
         f"The default PASK on its frozen evaluation samples (BFCL's non-parallel categories, items no choice looked "
         f"at), against the strongest baseline row: ahead in {ahead} of {len(rows)} sample-budget cells, behind in "
