@@ -808,14 +808,22 @@ def long_prompts(root: Path, file: str, tuning: Tuning = SHORT_TUNING) -> str:
     return _block(claim, _table(head, rows), _table(["A vs B", *PAIRED_HEAD], paired))
 
 
+LONG_V2 = {  # the frozen PASK v2's long-prompt tables: name -> results file (tuned by V2_TUNING)
+    "2k_v2_question_last": "results/long_v2/bfcl_long2k_v2_budgets_question_last.json",  # b = 0.2, 0.1 / 0.33 merged in
+    "2k_v2_question_first": "results/long_v2/bfcl_long2k_v2_budgets_question_first.json",  # the same, question first
+    "2k_v2_1_5b_question_last": "results/long_v2/bfcl_long2k_v2_1_5b_question_last.json",
+    "2k_v2_1_5b_question_first": "results/long_v2/bfcl_long2k_v2_1_5b_question_first.json",
+    "4k_v2_question_last": "results/long_v2/bfcl_long4k_v2_question_last.json",
+    "4k_v2_question_first": "results/long_v2/bfcl_long4k_v2_question_first.json",
+}
 DEFAULT_PASK_SAMPLES = (  # the default PASK's frozen evaluation samples: (model, prompts, file, tuning)
     ("0.5B", "BFCL's own (300-800 tokens)", "results/short_v2/bfcl_short_v2_pooled.json", SHORT_V2_TUNING),
-    ("0.5B", "2k tokens, question last", "results/long_v2/bfcl_long2k_v2_budgets_question_last.json", V2_TUNING),
-    ("0.5B", "2k tokens, question first", "results/long_v2/bfcl_long2k_v2_budgets_question_first.json", V2_TUNING),
-    ("0.5B", "4k tokens, question last", "results/long_v2/bfcl_long4k_v2_question_last.json", V2_TUNING),
-    ("0.5B", "4k tokens, question first", "results/long_v2/bfcl_long4k_v2_question_first.json", V2_TUNING),
-    ("1.5B", "2k tokens, question last", "results/long_v2/bfcl_long2k_v2_1_5b_question_last.json", V2_TUNING),
-    ("1.5B", "2k tokens, question first", "results/long_v2/bfcl_long2k_v2_1_5b_question_first.json", V2_TUNING),
+    ("0.5B", "2k tokens, question last", LONG_V2["2k_v2_question_last"], V2_TUNING),
+    ("0.5B", "2k tokens, question first", LONG_V2["2k_v2_question_first"], V2_TUNING),
+    ("0.5B", "4k tokens, question last", LONG_V2["4k_v2_question_last"], V2_TUNING),
+    ("0.5B", "4k tokens, question first", LONG_V2["4k_v2_question_first"], V2_TUNING),
+    ("1.5B", "2k tokens, question last", LONG_V2["2k_v2_1_5b_question_last"], V2_TUNING),
+    ("1.5B", "2k tokens, question first", LONG_V2["2k_v2_1_5b_question_first"], V2_TUNING),
 )
 
 
@@ -1657,15 +1665,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
         for part in ("", "_items0_24", "_pooled")
     },
     **{
-        f"long_prompts_{name}": functools.partial(long_prompts, file=f"results/long_v2/{file}", tuning=V2_TUNING)
-        for name, file in (
-            ("2k_v2_question_last", "bfcl_long2k_v2_budgets_question_last.json"),  # b = 0.2, then 0.1 / 0.33 merged in
-            ("2k_v2_question_first", "bfcl_long2k_v2_budgets_question_first.json"),  # the same, question first
-            ("2k_v2_1_5b_question_last", "bfcl_long2k_v2_1_5b_question_last.json"),
-            ("2k_v2_1_5b_question_first", "bfcl_long2k_v2_1_5b_question_first.json"),
-            ("4k_v2_question_last", "bfcl_long4k_v2_question_last.json"),
-            ("4k_v2_question_first", "bfcl_long4k_v2_question_first.json"),
-        )
+        f"long_prompts_{name}": functools.partial(long_prompts, file=file, tuning=V2_TUNING)
+        for name, file in LONG_V2.items()
     },
     "schema_suites": schema_suites,
     "schema_masks": schema_masks,
