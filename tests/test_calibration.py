@@ -354,6 +354,24 @@ def test_end_to_end_real_bfcl_items():
         with pytest.raises(ValueError, match="never be calibrated on"):
             calibrate(model, tokenizer, [(item, {})], progress=False)
 
+    # every item in every regime: BFCL's own prompt and a long one among calibration distractors, both layouts
+    regimes = dict(contexts=(0, 768), layouts=("question_last", "question_first"))
+    both = calibrate(model, tokenizer, items[:1], target="canonical", **regimes, **options)
+    item_id = items[0][0]["id"]
+    assert both.item_ids == [
+        item_id,
+        f"{item_id}@0:question_first",
+        f"{item_id}@768:question_last",
+        f"{item_id}@768:question_first",
+    ]
+    assert both.n_items == 4 and (both.present[Role.REQUEST_TEXT] == 4).all()
+    short, long = (prepare_example(*items[0], tokenizer, vocab, context=c) for c in (0, 768))
+    assert len(short.prompt) < 400 < len(long.prompt) <= 768 and short.gold.tolist() == long.gold.tolist()
+    tool_names = [int((ex.prompt_roles == Role.TOOL_NAME).sum()) for ex in (short, long)]
+    assert tool_names[1] > 3 * tool_names[0] > 0  # the distractors' names
+    with pytest.raises(ValueError, match="layouts="):
+        calibrate(model, tokenizer, items, layouts=("middle",), **options)
+
 
 def test_own_call_target_is_right_at_full_kv():
     """The engine's greedy constrained call, teacher-forced by the passes, has baseline error 0: the passes'

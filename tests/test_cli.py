@@ -214,6 +214,9 @@ def test_calibrate_refuses_bad_paths_and_settings_before_the_model(tmp_path: Pat
         "give one of them": ["--data", str(requests_file), "--stats", str(stats_dir)],
         "--dev-fraction splits --data": ["--dev-fraction", "0.2"],
         "argument --dev-fraction": ["--data", str(requests_file), "--dev-fraction", "1"],
+        "--contexts, --layouts and --target canonical are for BFCL": ["--data", str(requests_file), "--contexts", "0"],
+        "argument --contexts": ["--contexts", "0,-2048"],
+        "layout 'middle'": ["--layouts", "question_last,middle"],
         "argument --budgets": ["--budgets", "0.2,1.5"],
         "argument --levels": ["--levels", "0.25,0.5"],  # 0 must be among them
         "argument --floor-share": ["--floor-share", "2"],

@@ -53,12 +53,13 @@ def test_dev_split_scores_dev_items_and_refuses_policies_fitted_elsewhere(tiny_q
         return PersistencePolicy("tiny", layers, groups=2, tables=(), calibration_items=items, fits=fits)
 
     evaluation_item = bfcl.evaluation_sample("multiple", 0, 1)[0]["id"]
-    with pytest.raises(ValueError, match="outside the calibration part"):
-        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg, policies={"pask": policy((evaluation_item,))})
+    for calibrated in (evaluation_item, f"{evaluation_item}@2048:question_first"):  # an item's long prompt: the item
+        with pytest.raises(ValueError, match=f"calibrated on {evaluation_item}, outside the calibration part"):
+            run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg, policies={"pask": policy((calibrated,))})
     old = EvalConfig(categories=("simple_python",), limit=1, max_new_tokens=8, split="dev", split_rule="item-hash")
     own = bfcl.dev_sample("simple_python", 0, 1, rule="item-hash")[0]["id"]
     with pytest.raises(ValueError, match="was calibrated on"):  # item-hash dev items are calibration items
-        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", old, policies={"pask": policy((own,))})
+        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", old, policies={"pask": policy((f"{own}@1024:question_last",))})
     with pytest.raises(ValueError, match="split"):
         EvalConfig(split="test")
     with pytest.raises(ValueError, match="split_rule"):

@@ -9,8 +9,10 @@ from pask_jax.experiments import bfcl
 from pask_jax.experiments.bfcl.long_context import (
     QUESTION_FIRST_ASK,
     distractor_pool,
+    item_of_prompt,
     item_seed,
     long_context_prompt,
+    prompt_id,
     question_messages,
 )
 from pask_jax.experiments.bfcl.prompt import bfcl_prompt, format_tool_prompt
@@ -61,5 +63,17 @@ def test_dev_prompts_take_their_distractors_from_dev_items_only(tokenizer):
     _, tools = long_context_prompt(item, tokenizer, 2048, seed=0, split="dev")
     assert len(tools) > 5 and {t["name"] for t in tools} <= dev_names
     assert {t["name"] for t in tools} - evaluation_names  # not merely names both splits share
-    with pytest.raises(ValueError, match="split"):
-        distractor_pool(tokenizer, "calibration")
+    with pytest.raises(ValueError, match="split 'train'"):
+        distractor_pool(tokenizer, "train")
+
+
+def test_calibration_prompts_take_their_distractors_from_calibration_items_only(tokenizer):
+    """Long calibration prompts show no dev or evaluation schema that the calibration part does not also have."""
+    pools = {part: {f["name"] for f, _ in distractor_pool(tokenizer, part)} for part in bfcl.PARTS}
+    item = bfcl.split_items("multiple").calibration[0]
+    _, tools = long_context_prompt(item, tokenizer, 2048, seed=item_seed(item["id"]), split="calibration")
+    names = {t["name"] for t in tools}
+    assert len(names) > 5 and names <= pools["calibration"]
+    assert names - pools["dev"] and names - pools["evaluation"]
+    assert prompt_id(item["id"]) == item["id"] == item_of_prompt(prompt_id(item["id"], 2048, "question_first"))
+    assert prompt_id(item["id"], 0, "question_first") == item["id"] + "@0:question_first"

@@ -20,8 +20,10 @@ from pask_jax.arguments import (
     labelled_policies,
     method_specs,
     output_file,
+    parse_number,
 )
 from pask_jax.experiments.bfcl import CATEGORIES, SPLIT_RULE, SPLIT_RULES, SPLITS
+from pask_jax.experiments.bfcl.long_context import LAYOUTS
 from pask_jax.experiments.bfcl.prompt import PROMPTS
 from pask_jax.models.fetch import enable_compile_cache
 
@@ -164,12 +166,29 @@ def cmd_niah(args: argparse.Namespace) -> None:
     print(f"wrote {out}", file=sys.stderr)
 
 
+def context_list(text: str) -> str:
+    """Calibration prompt lengths: comma-separated token counts >= 0 (0: BFCL's own prompt); returned as given."""
+    for item in text.split(","):
+        if parse_number(item.strip(), int) < 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: every context must be a token count >= 0")
+    return text
+
+
+def layout_list(text: str) -> str:
+    """Comma-separated prompt layouts, each one of `LAYOUTS`; returned as given."""
+    for item in text.split(","):
+        if item.strip() not in LAYOUTS:
+            raise argparse.ArgumentTypeError(f"layout {item.strip()!r}; choose from {', '.join(LAYOUTS)}")
+    return text
+
+
 def check_calibration_suite(args: argparse.Namespace) -> None:
     """`calibrate`'s BFCL flags: only without --data, and --dev-fraction only with it."""
-    if args.data and (args.per_category is not None or args.split_rule is not None or args.target == "canonical"):
+    suite_flags = (args.per_category, args.split_rule, args.contexts, args.layouts)
+    if args.data and (any(f is not None for f in suite_flags) or args.target == "canonical"):
         raise UsageError(
-            "--per-category, --split-rule and --target canonical are for BFCL calibration; --data calibrates on "
-            "your requests against the model's own answers"
+            "--per-category, --split-rule, --contexts, --layouts and --target canonical are for BFCL calibration; "
+            "--data calibrates on your requests against the model's own answers"
         )
     if args.dev_fraction is not None and not args.data:
         raise UsageError("--dev-fraction splits --data; BFCL has its own split (--split-rule)")
@@ -179,6 +198,18 @@ def add_calibration_suite_options(p: argparse.ArgumentParser) -> None:
     """`calibrate` without --data or --stats calibrates on BFCL's calibration part: its flags."""
     p.add_argument("--per-category", type=int_at_least(1), help="(BFCL) calibration items per category (default 8)")
     p.add_argument("--split-rule", choices=SPLIT_RULES, help=f"(BFCL) which calibration part (default {SPLIT_RULE})")
+    p.add_argument(
+        "--contexts",
+        type=context_list,
+        help="(BFCL) prompt lengths to calibrate each item at, comma-separated tokens: 0 = BFCL's own prompt, N = a "
+        "long prompt of at most N tokens among calibration-part distractor tools (default 0)",
+    )
+    p.add_argument(
+        "--layouts",
+        type=layout_list,
+        help="(BFCL) where each prompt puts the question: question_last (default), question_first, or both "
+        "comma-separated",
+    )
     p.add_argument(
         "--target",
         choices=("own", "canonical"),
@@ -193,8 +224,17 @@ def calibrate_on_suite(args: argparse.Namespace, checkpoint, options: dict):
 
     rule = args.split_rule or SPLIT_RULE
     items = calibration_items(8 if args.per_category is None else args.per_category, rule=rule)
+    contexts = tuple(int(c) for c in (args.contexts or "0").split(","))
+    layouts = tuple(x.strip() for x in (args.layouts or "question_last").split(","))
     return calibrate(
-        checkpoint.weights(), checkpoint.tokenizer, items, target=args.target or "own", rule=rule, **options
+        checkpoint.weights(),
+        checkpoint.tokenizer,
+        items,
+        target=args.target or "own",
+        rule=rule,
+        contexts=contexts,
+        layouts=layouts,
+        **options,
     )
 
 

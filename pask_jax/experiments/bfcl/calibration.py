@@ -5,7 +5,14 @@ Targets (`target=`): "own" (default) teacher-forces the model's own greedy, gram
 "canonical" uses BFCL's rendered ground truth, which a small model rarely reproduces token for token (the 0.5B model:
 2 of 8 items), leaving most items without a task-error signal.
 
+Regimes (`contexts=`, `layouts=`): each item is calibrated once per (context, layout). Context 0 is BFCL's own prompt
+(the item's functions only); a context N > 0 is a long prompt of at most N tokens whose tools list is filled with
+distractor functions of the calibration part only (`long_context_prompt`, seeded by the item id), so the floors
+measured there see many tools and a long prompt; the layout puts the question after the tools list (BFCL's own) or
+before it, in the system message. The example's id is `prompt_id(item, context, layout)`.
+
     pask-jax calibrate --model qwen2.5-coder-0.5b --per-category 8 --checkpoint ckpt/calib --out policies/my-0.5b
+    pask-jax calibrate ... --contexts 0,2048 --layouts question_last,question_first   # 4 prompts per item
 """
 
 from __future__ import annotations
@@ -26,7 +33,14 @@ from pask_jax.experiments.bfcl import (
     load_answers,
     split_items,
 )
-from pask_jax.experiments.bfcl.prompt import format_tool_call, prepare_bfcl
+from pask_jax.experiments.bfcl.long_context import (
+    LAYOUTS,
+    item_seed,
+    long_context_prompt,
+    prompt_id,
+    question_messages,
+)
+from pask_jax.experiments.bfcl.prompt import bfcl_python_functions, format_tool_call, prepare_bfcl, prepare_tool_prompt
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.policy_compiler import CalibrationStats
 from pask_jax.requests import RequestBuilder
@@ -72,21 +86,38 @@ def gold_text(item: dict, answer: dict, ensure_ascii: bool = True) -> str:
 
 
 def prepare_example(
-    item: dict, answer: dict | None, tokenizer, vocab_size: int, gold=None, engine: Engine | None = None
+    item: dict,
+    answer: dict | None,
+    tokenizer,
+    vocab_size: int,
+    gold=None,
+    engine: Engine | None = None,
+    context: int = 0,
+    layout: str = "question_last",
 ) -> Example:
-    """A BFCL item as BFCL prompts it: tokenise prompt and gold, label prompt roles, walk the grammar over the gold
-    (ValueError if it refuses it).
+    """A BFCL item as BFCL prompts it (context 0, question last) or in a long prompt of at most `context` tokens
+    among calibration-part distractors, question in `layout`: tokenise prompt and gold, label prompt roles, walk the
+    grammar over the gold (ValueError if it refuses it).
 
     The gold: `gold` token ids if given; else the model's own call (`own_call`) when an `engine` is given; else the
     canonical rendering of the ground truth `answer`."""
-    prepared = prepare_bfcl(RequestBuilder(tokenizer, None), item)
+    builder = RequestBuilder(tokenizer, None)
+    if (context, layout) == (0, "question_last"):
+        prepared = prepare_bfcl(builder, item)
+    elif context:
+        seed = item_seed(item["id"])
+        messages, tools = long_context_prompt(item, tokenizer, context, seed, layout, "calibration")
+        prepared = prepare_tool_prompt(builder, messages, tools)
+    else:  # BFCL's own tools, the question moved before them
+        messages, tools = question_messages(item, layout), bfcl_python_functions(item["function"])
+        prepared = prepare_tool_prompt(builder, messages, tools)
     if gold is not None:
         renderings = [gold]
     elif engine is not None:
         renderings = [own_call(engine, np.asarray(prepared.ids, np.int32), prepared.grammar)]
     else:
         renderings = [tokenizer.encode(gold_text(item, answer, ensure_ascii)) for ensure_ascii in (True, False)]
-    return example_from_prepared(item["id"], prepared, renderings, tokenizer, vocab_size)
+    return example_from_prepared(prompt_id(item["id"], context, layout), prepared, renderings, tokenizer, vocab_size)
 
 
 def calibrate(
@@ -96,21 +127,31 @@ def calibrate(
     *,
     target: str = "own",
     rule: str = SPLIT_RULE,
+    contexts: Sequence[int] = (0,),
+    layouts: Sequence[str] = ("question_last",),
     **options,
 ) -> CalibrationStats:
     """Calibrate on BFCL (item, answer) pairs from the calibration part of split `rule` (`calibration_items`; a dev
-    or evaluation item is refused) against `target` "own" (the model's own full-KV call; items where it does not
-    finish are skipped) or "canonical" (the rendered ground truth). Options as `calibrate_examples`: groups=4,
-    levels=DEFAULT_LEVELS, checkpoint_dir=None, max_items=None, batch=32, save_every=4, progress=True."""
+    or evaluation item is refused), each in every (context, layout) regime, against `target` "own" (the model's own
+    full-KV call; prompts where it does not finish are skipped) or "canonical" (the rendered ground truth). Options as
+    `calibrate_examples`: groups=4, levels=DEFAULT_LEVELS, checkpoint_dir=None, max_items=None (prompts), batch=32,
+    save_every=4, progress=True."""
     if target not in TARGETS:
         raise ValueError(f"target={target!r}: choose one of {', '.join(TARGETS)}")
+    if not contexts or any(c < 0 for c in contexts) or not layouts or set(layouts) - set(LAYOUTS):
+        raise ValueError(f"contexts={list(contexts)} (tokens, >= 0) and layouts={list(layouts)} (of {LAYOUTS})")
     leaked = [it["id"] for it, _ in items_with_answers if not is_calibration(it["id"], rule)]
     if leaked:
         raise ValueError(f"dev and evaluation items must never be calibrated on (split rule {rule!r}): {leaked[:5]}")
     vocab = model.config.vocab_size
     engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids) if target == "own" else None
     examples = [
-        (it["id"], functools.partial(prepare_example, it, a, tokenizer, vocab, engine=engine))
+        (
+            prompt_id(it["id"], context, layout),
+            functools.partial(prepare_example, it, a, tokenizer, vocab, engine=engine, context=context, layout=layout),
+        )
         for it, a in items_with_answers
+        for context in contexts
+        for layout in layouts
     ]
     return calibrate_examples(model, examples, target=target, **options)

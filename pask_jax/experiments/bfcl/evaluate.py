@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine, SamplingConfig, generate_shared
 from pask_jax.experiments import bfcl
-from pask_jax.experiments.bfcl.long_context import LAYOUTS, item_seed, long_context_prompt
+from pask_jax.experiments.bfcl.long_context import LAYOUTS, item_of_prompt, item_seed, long_context_prompt
 from pask_jax.experiments.bfcl.prompt import PROMPTS, prepare_bfcl, prepare_tool_prompt
 from pask_jax.factory import make_engine, resolve_spec
 from pask_jax.models.chat_template import ChatTemplate
@@ -218,13 +218,14 @@ def run_bfcl(
     fingerprint = ModelFingerprint.of(model.config, tokenizer)
     for label, policy in policies.items():
         policy.check_fits(fingerprint)
-        outside = [i for i in policy.calibration_items if not bfcl.is_calibration(i, cfg.split_rule)]
+        calibrated = {item_of_prompt(i) for i in policy.calibration_items}  # an item's long prompts count as it
+        outside = sorted(i for i in calibrated if not bfcl.is_calibration(i, cfg.split_rule))
         if outside:
             raise ValueError(
                 f"policy {label!r} was calibrated on {', '.join(outside[:3])}, outside the calibration part of split "
                 f"rule {cfg.split_rule!r}: recalibrate on that part, or score under the rule it was calibrated for"
             )
-        if seen := sorted(sample_ids & set(policy.calibration_items)):  # item-hash dev samples can overlap
+        if seen := sorted(sample_ids & calibrated):  # item-hash dev samples can overlap
             raise ValueError(f"policy {label!r} was calibrated on {', '.join(seen[:3])}: pick a dev --offset past them")
     method_config = method_config or {}
     if cfg.prompt == "template" and chat_template is None:

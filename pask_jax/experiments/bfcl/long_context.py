@@ -1,10 +1,10 @@
 """Long tool-calling prompts: one BFCL question whose tools list is filled with distractor functions.
 
 Where KV compression matters: most of a long prompt is schema the call does not need, some of it is schema the call
-does need. The distractors are other functions of the item's own split (evaluation or dev, BFCL-preprocessed,
-deduplicated by name, so a dev prompt never shows an evaluation schema), taken in a seeded order while they fit; the
-item's own functions sit at a seeded place among them. The prompt is BFCL's fixed Qwen FC prompt over the whole list,
-at most `target` tokens.
+does need. The distractors are other functions of the item's own part (calibration, dev or evaluation,
+BFCL-preprocessed, deduplicated by name, so a dev or calibration prompt never shows an evaluation schema), taken in a
+seeded order while they fit; the item's own functions sit at a seeded place among them. The prompt is BFCL's fixed Qwen
+FC prompt over the whole list, at most `target` tokens.
 
 Layouts (where the question is):
 - "question_last": BFCL's own, the question in the last user turn, after the tools list.
@@ -31,10 +31,13 @@ QUESTION_FIRST_ASK = "Make the function call that answers the request stated bef
 
 @functools.cache
 def distractor_pool(tokenizer: Tokenizer, split: str = "evaluation") -> tuple[tuple[dict, int], ...]:
-    """Every function of `split`'s items (BFCL-preprocessed, deduplicated by name) with its tokens in a prompt."""
+    """Every function of the items of part `split` (one of `bfcl.PARTS`; BFCL-preprocessed, deduplicated by name)
+    with its tokens in a prompt."""
+    if split not in bfcl.PARTS:
+        raise ValueError(f"split {split!r}; choose from {', '.join(bfcl.PARTS)}")
     seen, out = set(), []
     for category in bfcl.CATEGORIES:
-        for item in bfcl.split_sample(split, category, 0, None):
+        for item in getattr(bfcl.split_items(category), split):
             for function in bfcl_python_functions(item["function"]):
                 if function["name"] not in seen:
                     seen.add(function["name"])
@@ -58,6 +61,17 @@ def question_messages(item: dict, layout: str) -> list[dict]:
     asked = "\n".join(m["content"] for m in messages if m["role"] == "user")
     lead = "\n\n".join([*system, QUESTION_FIRST_LEAD + asked])
     return [{"role": "system", "content": lead}, {"role": "user", "content": QUESTION_FIRST_ASK}]
+
+
+def prompt_id(item_id: str, context: int = 0, layout: str = "question_last") -> str:
+    """The id of an item's prompt at `context` tokens (0: BFCL's own prompt) in `layout`: the item id for BFCL's own
+    prompt, else ``item_id@context:layout``."""
+    return item_id if (context, layout) == (0, "question_last") else f"{item_id}@{context}:{layout}"
+
+
+def item_of_prompt(prompt: str) -> str:
+    """The BFCL item id of a `prompt_id`."""
+    return prompt.split("@", 1)[0]
 
 
 def long_context_prompt(
