@@ -508,7 +508,7 @@ def dev_compiler(root: Path) -> str:
 DEV_TUNING = "results/dev_tuning/dev_b033.json"
 SCHEMA_EVAL = "results/bfcl_schema_eval.json"
 SCHEMA_EVAL_1_5B = "results/bfcl_schema_eval_qwen2.5-coder-1.5b.json"  # section 1's frozen methods, 1.5B
-SCHEMA_EVAL_BUDGETS = "results/bfcl_schema_eval_budgets.json"  # the same, b = 0.2 / 0.33 / 0.5, two categories
+SCHEMA_EVAL_BUDGETS = "results/bfcl_schema_eval_budgets.json"  # the same, b = 0.2 / 0.33 / 0.5
 SCHEMA_EVAL_B02 = "results/bfcl_schema_eval_b02_b033.json"  # the same, b = 0.2 and 0.33, four categories
 TUNING_BUDGET = 0.33
 
@@ -613,7 +613,7 @@ def _frozen_eval(
     root: Path, file: str = SCHEMA_EVAL, tuning: Tuning = SHORT_TUNING
 ) -> tuple[dict, dict[str, str], list[str]]:
     """The evaluation result, the dev rule's choice per method, and the categories where full KV scores above 0 and
-    every scored method ran.
+    every scored method ran at every budget it scored.
 
     Refuses a result that scored any variant other than the rule's choice and the method's default (reported beside
     it), or any item outside the evaluation part."""
@@ -626,7 +626,7 @@ def _frozen_eval(
         if any(bfcl.part_of(i["id"]) != "evaluation" for i in items_of(result, spec, b)):
             raise ReportError(f"{file}: {spec} scores items outside the schema split's evaluation part")
     full = category_scores(result, "full", 1.0)
-    ran = [{r["category"] for r in result["runs"] if r["method"] == spec} for spec in scored]
+    ran = [set(category_scores(result, spec, b)) for spec, b in _keys(result) if spec != "full"]  # at every budget
     positive = [c for c in bfcl.CATEGORIES if c in full and full[c][0] > 0 and all(c in r for r in ran)]
     return result, {m: spec for m, spec in chosen.items() if spec in scored}, positive
 
