@@ -210,13 +210,14 @@ def run_bfcl(
     fingerprint = ModelFingerprint.of(model.config, tokenizer)
     for label, policy in policies.items():
         policy.check_fits(fingerprint)
-        outside = [i for i in policy.calibration_items if not bfcl.is_calibration(i, cfg.split_rule)]
+        calibrated = {i.split("@", 1)[0] for i in policy.calibration_items}  # item@context:layout is its item
+        outside = sorted(i for i in calibrated if not bfcl.is_calibration(i, cfg.split_rule))
         if outside:
             raise ValueError(
                 f"policy {label!r} was calibrated on {', '.join(outside[:3])}, outside the calibration part of split "
                 f"rule {cfg.split_rule!r}: recalibrate on that part, or score under the rule it was calibrated for"
             )
-        if seen := sorted(sample_ids & set(policy.calibration_items)):  # item-hash dev samples can overlap
+        if seen := sorted(sample_ids & calibrated):  # item-hash dev samples can overlap
             raise ValueError(f"policy {label!r} was calibrated on {', '.join(seen[:3])}: pick a dev --offset past them")
     method_config = method_config or {}
     engines = build_engines(model, tokenizer, cfg, method_config, policies)
