@@ -557,6 +557,14 @@ QUERY_FLOORS_LONG = Tuning(  # PASK's default against query-ranked floors on the
     ),
     0.2,
 )
+REGIMES_LONG = Tuning(  # the policy calibrated in several regimes against the shipped one (PASK v2's frozen code)
+    (
+        "results/dev_v3/bfcl_dev_long2k_regimes_question_last.json",
+        "results/dev_v3/bfcl_dev_long2k_regimes_question_first.json",
+    ),
+    0.2,
+)
+REGIMES_SHORT = "results/dev_v3/bfcl_dev_short_regimes.json"  # the same two policies on BFCL's own dev prompts
 DEV_1_5B = Tuning(("results/dev_1_5b/dev_b033.json",), TUNING_BUDGET)  # the 1.5B model's own dev grid
 LONG_TUNING = Tuning(  # long prompts: every method's variant chosen on long dev prompts, both layouts
     ("results/dev_long/bfcl_dev_long2k_question_last.json", "results/dev_long/bfcl_dev_long2k_question_first.json"),
@@ -1657,6 +1665,13 @@ TABLES: dict[str, Callable[[Path], str]] = {
     },
     "dev_tuning_v2_long2k": functools.partial(dev_tuning, tuning=V2_TUNING),
     "dev_query_floors_long2k": functools.partial(dev_tuning, tuning=QUERY_FLOORS_LONG),
+    "dev_policy_regimes_long2k": functools.partial(dev_tuning, tuning=REGIMES_LONG),
+    **{
+        f"dev_policy_regimes_short_b{b:g}".replace(".", ""): functools.partial(
+            dev_tuning, tuning=Tuning((REGIMES_SHORT,), b)
+        )
+        for b in (0.2, 0.33)
+    },
     "dev_tuning_1_5b": functools.partial(dev_tuning, tuning=DEV_1_5B),
     **{
         f"short_prompts_v2{part}": functools.partial(
