@@ -7,7 +7,7 @@ Targets (`target=`): "own" (default) teacher-forces the model's own greedy, gram
 
 Regimes (`contexts=`, `layouts=`): each item is calibrated once per (context, layout). Context 0 is BFCL's own prompt
 (the item's functions only); a context N > 0 is a long prompt of at most N tokens whose tools list is filled with
-distractor functions of the calibration part only (`long_context_prompt`, seeded by the item id), so the floors
+distractor functions of the calibration part only (`item_prompt`, seeded by the item id), so the floors
 measured there see many tools and a long prompt; the layout puts the question after the tools list (BFCL's own) or
 before it, in the system message. The example's id is `prompt_id(item, context, layout)`.
 
@@ -33,14 +33,8 @@ from pask_jax.experiments.bfcl import (
     load_answers,
     split_items,
 )
-from pask_jax.experiments.bfcl.long_context import (
-    LAYOUTS,
-    item_seed,
-    long_context_prompt,
-    prompt_id,
-    question_messages,
-)
-from pask_jax.experiments.bfcl.prompt import bfcl_python_functions, format_tool_call, prepare_bfcl, prepare_tool_prompt
+from pask_jax.experiments.bfcl.long_context import LAYOUTS, item_prompt, prompt_id
+from pask_jax.experiments.bfcl.prompt import format_tool_call, prepare_tool_prompt
 from pask_jax.models.qwen3 import Qwen3
 from pask_jax.policy_compiler import CalibrationStats
 from pask_jax.requests import RequestBuilder
@@ -101,16 +95,8 @@ def prepare_example(
 
     The gold: `gold` token ids if given; else the model's own call (`own_call`) when an `engine` is given; else the
     canonical rendering of the ground truth `answer`."""
-    builder = RequestBuilder(tokenizer, None)
-    if (context, layout) == (0, "question_last"):
-        prepared = prepare_bfcl(builder, item)
-    elif context:
-        seed = item_seed(item["id"])
-        messages, tools = long_context_prompt(item, tokenizer, context, seed, layout, "calibration")
-        prepared = prepare_tool_prompt(builder, messages, tools)
-    else:  # BFCL's own tools, the question moved before them
-        messages, tools = question_messages(item, layout), bfcl_python_functions(item["function"])
-        prepared = prepare_tool_prompt(builder, messages, tools)
+    messages, tools = item_prompt(item, tokenizer, context, layout, "calibration")
+    prepared = prepare_tool_prompt(RequestBuilder(tokenizer, None), messages, tools)
     if gold is not None:
         renderings = [gold]
     elif engine is not None:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine, SamplingConfig, generate_shared
 from pask_jax.experiments import bfcl
-from pask_jax.experiments.bfcl.long_context import LAYOUTS, item_of_prompt, item_seed, long_context_prompt
+from pask_jax.experiments.bfcl.long_context import LAYOUTS, item_of_prompt, item_prompt
 from pask_jax.experiments.bfcl.prompt import PROMPTS, prepare_bfcl, prepare_tool_prompt
 from pask_jax.factory import make_engine, resolve_spec
 from pask_jax.models.chat_template import ChatTemplate
@@ -115,8 +115,7 @@ def _category_run(items: list[dict], parser_s: float, decode_s: float, steps: in
 def _prepare(item: dict, builder: RequestBuilder, cfg: EvalConfig) -> PreparedRequest:
     if not cfg.context:
         return prepare_bfcl(builder, item, max_tokens=cfg.max_new_tokens, framing=cfg.framing, prompt=cfg.prompt)
-    tokenizer = builder.tokenizer
-    messages, tools = long_context_prompt(item, tokenizer, cfg.context, item_seed(item["id"]), cfg.layout, cfg.split)
+    messages, tools = item_prompt(item, builder.tokenizer, cfg.context, cfg.layout, cfg.split)
     return prepare_tool_prompt(builder, messages, tools, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
 
 

@@ -74,6 +74,16 @@ def item_of_prompt(prompt: str) -> str:
     return prompt.split("@", 1)[0]
 
 
+def item_prompt(
+    item: dict, tokenizer: Tokenizer, context: int = 0, layout: str = "question_last", split: str = "evaluation"
+) -> tuple[list[dict], list[dict]]:
+    """(messages, tools) of an item's prompt in `layout`: its own functions at context 0 (BFCL's own prompt with the
+    question last), else `long_context_prompt` of at most `context` tokens, seeded by the item id."""
+    if context:
+        return long_context_prompt(item, tokenizer, context, item_seed(item["id"]), layout, split)
+    return question_messages(item, layout), bfcl_python_functions(item["function"])
+
+
 def long_context_prompt(
     item: dict, tokenizer: Tokenizer, target: int, seed: int, layout: str = "question_last", split: str = "evaluation"
 ) -> tuple[list[dict], list[dict]]:
