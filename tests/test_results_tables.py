@@ -91,23 +91,34 @@ def test_a_missing_results_file_is_named(tmp_path: Path):
         render_tables("<!-- table:cache_bytes -->\n<!-- /table -->\n", tmp_path)
 
 
-@needs_bfcl_data
-def test_variants_are_chosen_over_every_dev_file_and_evaluation_rows_held_to_the_choice(tmp_path: Path):
+def _bfcl_ids(split: str) -> list[str]:
     from pask_jax.experiments import bfcl
 
-    dev = [i["id"] for i in bfcl.dev_sample("simple_python", 0, 3)]
-    held_out = [i["id"] for i in bfcl.evaluation_sample("simple_python", 0, 3)]
+    sample = bfcl.dev_sample if split == "dev" else bfcl.evaluation_sample
+    return [i["id"] for i in sample("simple_python", 0, 3)]
+
+
+def _write_bfcl_result(
+    root: Path, name: str, split: str, layout: str, right: dict[str, list[str]], method_config: dict | None = None
+) -> str:
+    """A `pask-jax bfcl` result over 3 simple_python items of `split`: spec -> the ids it got right, b = 0.2."""
+    runs = [
+        {"method": spec, "budget": 1.0 if spec == "full" else 0.2, "category": "simple_python", "prepare_s": 1.0}
+        | {"items": [{"id": i, "valid": i in ok, "prompt_tokens": 9, "error_type": None} for i in _bfcl_ids(split)]}
+        | {"n": 3}
+        for spec, ok in right.items()
+    ]
+    config = {"split": split, "layout": layout, "context": 16, "method_config": method_config or {}, "policies": {}}
+    (root / name).write_text(json.dumps({"config": config, "runs": runs}))
+    return name
+
+
+@needs_bfcl_data
+def test_variants_are_chosen_over_every_dev_file_and_evaluation_rows_held_to_the_choice(tmp_path: Path):
+    dev, held_out = _bfcl_ids("dev"), _bfcl_ids("evaluation")
 
     def write(name: str, split: str, layout: str, right: dict[str, list[str]]) -> str:
-        ids = dev if split == "dev" else held_out
-        runs = [
-            {"method": spec, "budget": 1.0 if spec == "full" else 0.2, "category": "simple_python", "prepare_s": 1.0}
-            | {"items": [{"id": i, "valid": i in ok, "prompt_tokens": 9, "error_type": None} for i in ids], "n": 3}
-            for spec, ok in right.items()
-        ]
-        config = {"split": split, "layout": layout, "context": 16, "method_config": {}, "policies": {}}
-        (tmp_path / name).write_text(json.dumps({"config": config, "runs": runs}))
-        return name
+        return _write_bfcl_result(tmp_path, name, split, layout, right)
 
     # snapkv:w8 wins the first file 2-1, the default the second 2-0: over both, the default (3 against 2)
     files = (
@@ -127,6 +138,23 @@ def test_variants_are_chosen_over_every_dev_file_and_evaluation_rows_held_to_the
     write("b.json", "evaluation", "question_first", {"full": held_out, "snapkv": [], "snapkv:w8": [], "pask": []})
     with pytest.raises(ReportError, match="outside the schema split's dev part"):
         report.dev_tuning(tmp_path, tuning)
+
+
+@needs_bfcl_data
+def test_a_variant_run_in_later_dev_files_keeps_its_settings_and_layout_columns_sum_files(tmp_path: Path):
+    dev = _bfcl_ids("dev")
+    files = (
+        _write_bfcl_result(tmp_path, "a.json", "dev", "question_last", {"snapkv": dev[:2]}, {"snapkv": {"window": 32}}),
+        _write_bfcl_result(tmp_path, "b.json", "dev", "question_first", {"snapkv": dev[:1]}),
+        _write_bfcl_result(
+            tmp_path, "c.json", "dev", "question_last", {"snapkv:w16": dev}, {"snapkv:w16": {"window": 16}}
+        ),
+        _write_bfcl_result(tmp_path, "d.json", "dev", "question_first", {"snapkv:w16": dev[:1]}),
+    )
+    table = report.dev_tuning(tmp_path, report.Tuning(files, 0.2))
+    assert "| variant | settings | simple_python | question last | question first | correct |  |" in table
+    assert "| snapkv | window=32 | 3/6 | 2/3 | 1/3 | 3/6 |  |" in table
+    assert "| snapkv:w16 | window=16 | 4/6 | 3/3 | 1/3 | 4/6 | **chosen** |" in table
 
 
 # ---- paired statistics ----------------------------------------------------------------------------------------------

@@ -539,9 +539,13 @@ class Tuning:
         return results
 
     def dev_result(self, root: Path, parts: list[dict] | None = None) -> dict:
-        """The dev files read as one result (their runs in order)."""
+        """The dev files read as one result: their runs in order, the first file's config with every file's method
+        sections and policies (a variant run in a later file keeps its own settings)."""
         parts = self.dev_parts(root) if parts is None else parts
-        return {"config": parts[0]["config"], "runs": [run for r in parts for run in r["runs"]]}
+        config = dict(parts[0]["config"])
+        for key in ("method_config", "policies"):
+            config[key] = {k: v for part in reversed(parts) for k, v in part["config"].get(key, {}).items()}
+        return {"config": config, "runs": [run for r in parts for run in r["runs"]]}
 
 
 SHORT_TUNING = Tuning((DEV_TUNING,), TUNING_BUDGET)  # the frozen methods of section 1
@@ -557,14 +561,17 @@ QUERY_FLOORS_LONG = Tuning(  # PASK's default against query-ranked floors on the
     ),
     0.2,
 )
-REGIMES_LONG = Tuning(  # the policy calibrated in several regimes against the shipped one (PASK v2's frozen code)
-    (
-        "results/dev_v3/bfcl_dev_long2k_regimes_question_last.json",
-        "results/dev_v3/bfcl_dev_long2k_regimes_question_first.json",
+REGIMES_LONG = Tuning(  # the policies calibrated in several regimes (21 and 45 prompts) against the shipped one
+    tuple(
+        f"results/dev_v3/bfcl_dev_long2k_{policies}_{layout}.json"
+        for policies in ("regimes", "regimes48")
+        for layout in ("question_last", "question_first")
     ),
     0.2,
 )
-REGIMES_SHORT = "results/dev_v3/bfcl_dev_short_regimes.json"  # the same two policies on BFCL's own dev prompts
+REGIMES_SHORT = tuple(  # the same policies on BFCL's own dev prompts
+    f"results/dev_v3/bfcl_dev_short_{policies}.json" for policies in ("regimes", "regimes48")
+)
 DEV_1_5B = Tuning(("results/dev_1_5b/dev_b033.json",), TUNING_BUDGET)  # the 1.5B model's own dev grid
 LONG_TUNING = Tuning(  # long prompts: every method's variant chosen on long dev prompts, both layouts
     ("results/dev_long/bfcl_dev_long2k_question_last.json", "results/dev_long/bfcl_dev_long2k_question_first.json"),
@@ -589,11 +596,16 @@ def _settings(result: dict, spec: str) -> str:
 
 
 def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
-    """Every method's variants on the dev items at the tuning budget, the rule's choice marked (per file too, when
-    the dev result is several files)."""
+    """Every method's variants on the dev items at the tuning budget, the rule's choice marked (per prompt layout too,
+    when the dev files have several)."""
     parts = tuning.dev_parts(root)
     result = tuning.dev_result(root, parts)
-    by_file = parts if len(parts) > 1 else []  # a column per file only when there are several
+    layout_of = [part["config"].get("layout", "question_last") for part in parts]  # files before layouts had one
+    layouts = list(dict.fromkeys(layout_of))
+    by_layout = {  # a column per layout only when there are several
+        layout: tuning.dev_result(root, [part for part, of in zip(parts, layout_of, strict=True) if of == layout])
+        for layout in (layouts if len(layouts) > 1 else [])
+    }
     chosen = tuning.choices(root, result)  # PASK's mark follows `pask_from` where the tuning takes it elsewhere
     totals = dev_totals(result, tuning.budget)
     present = [c for c in bfcl.CATEGORIES if any(r["category"] == c for r in result["runs"])]
@@ -601,9 +613,9 @@ def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
     for spec, (correct, n) in totals.items():
         scores = category_scores(result, spec, 1.0 if spec == "full" else tuning.budget)
         cells = [f"{scores[c][0]}/{scores[c][1]}" for c in present]
-        per_file = ["{}/{}".format(*dev_totals(part, tuning.budget)[spec]) for part in by_file]
+        per_layout = ["{}/{}".format(*dev_totals(part, tuning.budget)[spec]) for part in by_layout.values()]
         mark = "**chosen**" if chosen.get(method_of(spec)) == spec else ""
-        rows.append([spec, _settings(result, spec), *cells, *per_file, f"{correct}/{n}", mark])
+        rows.append([spec, _settings(result, spec), *cells, *per_layout, f"{correct}/{n}", mark])
     (n,) = {n for _, n in totals.values()}
     claim = (
         f"On {n} dev items at b = {tuning.budget:g}"
@@ -612,8 +624,7 @@ def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
         + ", ".join(f"{spec} ({totals[spec][0]})" for spec in chosen.values() if spec in totals)
         + "."
     )
-    layouts = [part["config"]["layout"].replace("_", " ") for part in by_file]
-    head = ["variant", "settings", *present, *layouts, "correct", ""]
+    head = ["variant", "settings", *present, *(layout.replace("_", " ") for layout in by_layout), "correct", ""]
     return _block(claim, _table(head, rows))
 
 
@@ -1668,7 +1679,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "dev_policy_regimes_long2k": functools.partial(dev_tuning, tuning=REGIMES_LONG),
     **{
         f"dev_policy_regimes_short_b{b:g}".replace(".", ""): functools.partial(
-            dev_tuning, tuning=Tuning((REGIMES_SHORT,), b)
+            dev_tuning, tuning=Tuning(REGIMES_SHORT, b)
         )
         for b in (0.2, 0.33)
     },
