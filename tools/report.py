@@ -600,7 +600,7 @@ def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
     when the dev files have several)."""
     parts = tuning.dev_parts(root)
     result = tuning.dev_result(root, parts)
-    layout_of = [part["config"].get("layout", "question_last") for part in parts]  # files before layouts had one
+    layout_of = [part["config"].get("layout", "question_last") for part in parts]  # older files: BFCL's own layout
     layouts = list(dict.fromkeys(layout_of))
     by_layout = {  # a column per layout only when there are several
         layout: tuning.dev_result(root, [part for part, of in zip(parts, layout_of, strict=True) if of == layout])
@@ -613,7 +613,7 @@ def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
     for spec, (correct, n) in totals.items():
         scores = category_scores(result, spec, 1.0 if spec == "full" else tuning.budget)
         cells = [f"{scores[c][0]}/{scores[c][1]}" for c in present]
-        per_layout = ["{}/{}".format(*dev_totals(part, tuning.budget)[spec]) for part in by_layout.values()]
+        per_layout = ["{}/{}".format(*dev_totals(layout, tuning.budget)[spec]) for layout in by_layout.values()]
         mark = "**chosen**" if chosen.get(method_of(spec)) == spec else ""
         rows.append([spec, _settings(result, spec), *cells, *per_layout, f"{correct}/{n}", mark])
     (n,) = {n for _, n in totals.values()}
