@@ -102,10 +102,10 @@ def _write_bfcl_result(
     root: Path, name: str, split: str, layout: str, right: dict[str, list[str]], method_config: dict | None = None
 ) -> str:
     """A `pask-jax bfcl` result over 3 simple_python items of `split`: spec -> the ids it got right, b = 0.2."""
+    ids = _bfcl_ids(split)
     runs = [
         {"method": spec, "budget": 1.0 if spec == "full" else 0.2, "category": "simple_python", "prepare_s": 1.0}
-        | {"items": [{"id": i, "valid": i in ok, "prompt_tokens": 9, "error_type": None} for i in _bfcl_ids(split)]}
-        | {"n": 3}
+        | {"items": [{"id": i, "valid": i in ok, "prompt_tokens": 9, "error_type": None} for i in ids], "n": 3}
         for spec, ok in right.items()
     ]
     config = {"split": split, "layout": layout, "context": 16, "method_config": method_config or {}, "policies": {}}
