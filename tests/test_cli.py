@@ -247,6 +247,11 @@ def test_bfcl_refuses_bad_settings_before_the_model(tmp_path: Path, policy_dir: 
         assert named in usage_error(["bfcl", *flags], capsys), flags
     err = usage_error(["bfcl", "--out", "/pask-jax-no-such-root-dir/r.json"], capsys)
     assert "--out" in err and "does not exist" in err
+    other = tmp_path / "other.json"  # a results file to resume, made with other settings
+    other.write_text(json.dumps({"model": "qwen2.5-coder-0.5b", "config": {"limit": 3}, "runs": []}))
+    assert "limit" in usage_error(["bfcl", "--out", str(other)], capsys)
+    other.write_text("[")
+    assert "not a BFCL results file" in usage_error(["bfcl", "--out", str(other)], capsys)
 
 
 def test_niah_refuses_bad_paths_and_settings_before_the_model(tmp_path: Path, policy_dir: Path, capsys):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 from conftest import synthetic_stats
 
@@ -38,6 +41,35 @@ def test_run_bfcl_shape_and_split(tiny_qwen: Qwen3):
             assert item["kept_ratio_max"] <= (1.0 if run["method"] == "full" else 0.5 + 0.05)
     assert len(result["summary"]) == 2 and result["summary"][0]["overall"] is None  # one category: no 8-way mean
     assert "| full | 1 |" in format_table(result, ("simple_python",))
+
+
+def test_an_interrupted_run_resumes_from_its_last_batch(tiny_qwen: Qwen3, tmp_path, monkeypatch):
+    from pask_jax.experiments.bfcl import evaluate
+
+    cfg = EvalConfig(methods=("full",), categories=("simple_python",), limit=2, batch_size=1, max_new_tokens=6)
+    whole = run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg)
+    out = tmp_path / "r.json"
+    write_json = evaluate.write_json
+
+    def killed_after_first_save(path, data):
+        write_json(path, data)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate, "write_json", killed_after_first_save)
+    with pytest.raises(KeyboardInterrupt):
+        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg, out=out)
+    monkeypatch.setattr(evaluate, "write_json", write_json)
+    saved = json.loads(out.read_text())
+    assert saved["runs"] == [] and len(saved["partial"]["items"]["full@1"]) == 1  # one of the two batches kept
+    batches = []
+    generate_shared = evaluate.generate_shared
+    monkeypatch.setattr(evaluate, "generate_shared", lambda *a, **k: batches.append(a[1]) or generate_shared(*a, **k))
+    resumed = run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg, out=out)
+    assert len(batches) == 1  # only the missing batch ran
+    texts = [[i["text"] for i in run["items"]] for run in (whole["runs"][0], resumed["runs"][0])]
+    assert texts[0] == texts[1] and "partial" not in json.loads(out.read_text())
+    with pytest.raises(ValueError, match="limit differ"):
+        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", dataclasses.replace(cfg, limit=1), out=out)
 
 
 def test_dev_split_scores_dev_items_and_refuses_policies_fitted_elsewhere(tiny_qwen: Qwen3):

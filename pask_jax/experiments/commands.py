@@ -7,7 +7,6 @@ Each subcommand's `check` is its front door (`pask_jax.arguments`): bad argument
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -53,7 +52,7 @@ def check_niah(args: argparse.Namespace) -> None:
 def cmd_bfcl(args: argparse.Namespace) -> None:
     """Grammar-constrained BFCL evaluation; prints a table and writes the full JSON."""
     from pask_jax.checkpoint import Checkpoint
-    from pask_jax.experiments.bfcl.evaluate import EvalConfig, format_table, run_bfcl
+    from pask_jax.experiments.bfcl.evaluate import EvalConfig, format_table, read_results, run_bfcl, run_config
     from pask_jax.factory import resolve_spec
 
     categories = CATEGORIES if args.categories == "all" else tuple(args.categories.split(","))
@@ -84,14 +83,13 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         resolve_spec(spec, method_config, policies)
     if "pask" in cfg.methods and "pask" not in policies:
         print("note: --methods pask without --policy runs PASK uncalibrated (recency + sinks)", file=sys.stderr)
+    out = Path(args.out) if args.out else None
+    try:  # a results file to resume must have been made with these settings: before the model loads
+        read_results(out, args.model, run_config(cfg, method_config, policies))
+    except ValueError as exc:
+        raise UsageError(f"--out: {exc}") from None
     enable_compile_cache()
     checkpoint = Checkpoint.open(args.model)
-    out = Path(args.out) if args.out else None
-
-    def save(result: dict) -> None:  # after every category, so a long run keeps what it measured
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
-
     result = run_bfcl(
         checkpoint.weights(),
         checkpoint.tokenizer,
@@ -99,7 +97,7 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         cfg,
         method_config=method_config,
         policies=policies,
-        on_category=save if out else None,
+        out=out,
         chat_template=checkpoint.chat_template,
     )
     print(format_table(result, categories))

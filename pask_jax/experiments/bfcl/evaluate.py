@@ -17,8 +17,11 @@ to build the prompts and compile their grammars is recorded per category (`prepa
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -26,6 +29,7 @@ from tqdm.auto import tqdm
 
 from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine, SamplingConfig, generate_shared
 from pask_jax.experiments import bfcl
+from pask_jax.experiments.bench.machine import write_json
 from pask_jax.experiments.bfcl.long_context import LAYOUTS, item_of_prompt, item_prompt
 from pask_jax.experiments.bfcl.prompt import PROMPTS, prepare_bfcl, prepare_tool_prompt
 from pask_jax.factory import make_engine, resolve_spec
@@ -119,6 +123,11 @@ def _prepare(item: dict, builder: RequestBuilder, cfg: EvalConfig) -> PreparedRe
     return prepare_tool_prompt(builder, messages, tools, max_tokens=cfg.max_new_tokens, framing=cfg.framing)
 
 
+def run_key(method: str, budget: float) -> str:
+    """How a results file names a (method spec, budget) run."""
+    return f"{method}@{budget:g}"
+
+
 def run_category(
     engines: dict[tuple[str, float], Engine],
     builder: RequestBuilder,
@@ -126,17 +135,30 @@ def run_category(
     items: list[dict],  # the category's sample (`cfg.sample(category)`)
     cfg: EvalConfig,
     progress: tqdm | None = None,
+    *,
+    partial: dict | None = None,
+    on_batch: Callable[[], None] | None = None,
 ) -> list[dict]:
-    """One category through every engine; each batch's grammars, prompt roles and prefill are shared by all."""
+    """One category through every engine; each batch's grammars, prompt roles and prefill are shared by all.
+
+    `partial` holds the category's finished batches (`{"items": {run_key: {id: item}}, "timing": {run_key: [...]}}`):
+    a batch whose items it has for every engine is skipped, every new batch is added to it, then `on_batch` runs
+    (a results file saved after every batch resumes where it stopped)."""
     answers = bfcl.load_answers(category)
     start_prepare = time.perf_counter()
     prepared = [_prepare(item, builder, cfg) for item in items]
     prepare_s = time.perf_counter() - start_prepare
     order = np.argsort([len(p.ids) for p in prepared], kind="stable")  # similar lengths share a batch: less padding
-    results = {key: [None] * len(items) for key in engines}
-    timing = {key: [0.0, 0.0, 0, 0.0] for key in engines}  # parser s, decode s, steps, wall s
+    partial = partial if partial is not None else {}
+    done = partial.setdefault("items", {})
+    timing = partial.setdefault("timing", {})  # per run: parser s, decode s, steps, wall s
+    for key in engines:
+        done.setdefault(run_key(*key), {})
+        timing.setdefault(run_key(*key), [0.0, 0.0, 0, 0.0])
     for start in range(0, len(items), cfg.batch_size):
         idx = [int(i) for i in order[start : start + cfg.batch_size]]
+        if all(items[i]["id"] in done[run_key(*key)] for key in engines for i in idx):
+            continue
         batch = [prepared[i] for i in idx]
         grammars = [p.grammar for p in batch]
         constraints = [GrammarConstraint(grammars, engine.cfg.vocab_size) for engine in engines.values()]
@@ -149,22 +171,30 @@ def run_category(
             constraints=constraints,
         )
         for key, gens, constraint in zip(engines, outputs, constraints, strict=True):
-            t = timing[key]
+            t = timing[run_key(*key)]
             t[0] += constraint.mask_s + constraint.advance_s
             for k, i in enumerate(idx):
-                results[key][i] = _item_result(items[i], answers[items[i]["id"]], gens[k], builder.tokenizer, cfg)
+                item = _item_result(items[i], answers[items[i]["id"]], gens[k], builder.tokenizer, cfg)
+                done[run_key(*key)][item["id"]] = item
                 t[1] += sum(gens[k].stats.token_times_s)
                 t[2] += len(gens[k].stats.token_times_s)
             # the shared prefill plus this engine's decode steps (the longest sequence saw every step)
             t[3] += gens[0].stats.ttft_s + max(sum(g.stats.token_times_s) for g in gens)
         if progress is not None:
             progress.update(len(idx) * len(engines))
-    return [
-        {"method": method, "budget": budget, "category": category, "wall_s": round(timing[(method, budget)][3], 1)}
-        | {"prepare_s": round(prepare_s, 2)}
-        | _category_run(results[(method, budget)], *timing[(method, budget)][:3])
-        for method, budget in engines
-    ]
+        if on_batch is not None:
+            on_batch()
+    runs = []
+    for method, budget in engines:
+        key = run_key(method, budget)
+        parser_s, decode_s, steps, wall_s = timing[key]
+        scored = [done[key][item["id"]] for item in items]
+        runs.append(
+            {"method": method, "budget": budget, "category": category, "wall_s": round(wall_s, 1)}
+            | {"prepare_s": round(prepare_s, 2)}
+            | _category_run(scored, parser_s, decode_s, int(steps))
+        )
+    return runs
 
 
 def build_engines(
@@ -196,6 +226,34 @@ def build_engines(
     return engines
 
 
+def run_config(cfg: EvalConfig, method_config: dict[str, dict], policies: dict[str, PersistencePolicy]) -> dict:
+    """The `config` a results file records (the run's settings, method configs and policies), as JSON has it."""
+    config = dataclasses.asdict(cfg) | {"method_config": method_config}
+    config["policies"] = {
+        label: {"model": p.model, "groups": p.groups, "budgets": [t.budget for t in p.tables], "notes": p.notes}
+        | {"content_hash": p.content_hash()}
+        for label, p in policies.items()
+    }
+    return json.loads(json.dumps(config))
+
+
+def read_results(path: Path | None, model_name: str, config: dict) -> tuple[list[dict], dict | None]:
+    """The finished runs and the category under way (`partial`) in `path`, none if it does not exist; ValueError,
+    before any model work, if the file is not a BFCL results file or was made with other settings."""
+    if path is None or not path.exists():
+        return [], None
+    try:
+        previous = json.loads(path.read_text())
+        old_model, old_config, runs = previous["model"], previous["config"], previous["runs"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a BFCL results file ({exc}); choose another --out") from None
+    differ = ["model"] if old_model != model_name else []
+    differ += sorted(k for k in set(old_config) | set(config) if old_config.get(k) != config.get(k))
+    if differ:
+        raise ValueError(f"{path} was made with other settings ({', '.join(differ)} differ): choose another --out")
+    return runs, previous.get("partial")
+
+
 def run_bfcl(
     model: Qwen3,
     tokenizer: Tokenizer,
@@ -204,13 +262,14 @@ def run_bfcl(
     *,
     method_config: dict[str, dict] | None = None,
     policies: dict[str, PersistencePolicy] | None = None,
-    on_category: Callable[[dict], None] | None = None,
+    out: Path | None = None,
     chat_template: ChatTemplate | None = None,
 ) -> dict:
     """Every (method spec, budget) over every category; `policies` (label -> policy) calibrate PASK;
     `chat_template` (the checkpoint's) for ``cfg.prompt == "template"``.
 
-    `on_category` gets the result so far after each category (long runs save partial results with it)."""
+    `out` is rewritten after every batch (the finished categories' runs, and the finished batches of the category
+    under way as `partial`) and resumed: given a file made with the same settings, only what it lacks runs."""
     policies = policies or {}
     samples = {category: cfg.sample(category) for category in cfg.categories}
     sample_ids = {item["id"] for items in samples.values() for item in items}
@@ -229,27 +288,35 @@ def run_bfcl(
     method_config = method_config or {}
     if cfg.prompt == "template" and chat_template is None:
         raise ValueError("prompt 'template' needs the checkpoint's chat template")
+    config = run_config(cfg, method_config, policies)
+    runs, under_way = read_results(out, model_name, config)
     builder = RequestBuilder(tokenizer, chat_template)
     engines = build_engines(model, tokenizer, cfg, method_config, policies)
-    total = len(sample_ids) * len(engines)
-    config = dataclasses.asdict(cfg) | {"method_config": method_config}
-    config["policies"] = {
-        label: {"model": p.model, "groups": p.groups, "budgets": [t.budget for t in p.tables], "notes": p.notes}
-        | {"content_hash": p.content_hash()}
-        for label, p in policies.items()
-    }
-    runs = []
-    with tqdm(total=total, desc="bfcl", unit="generation") as progress:
+
+    def result(partial: dict | None = None) -> dict:
+        summary = summarize_runs(runs)
+        return {"model": model_name, "config": config, "runs": runs, "summary": summary} | (
+            {"partial": partial} if partial else {}
+        )
+
+    def save(partial: dict | None = None) -> None:  # `partial`: the category under way, filled in place per batch
+        if out is not None:
+            write_json(out, result(partial))
+
+    done = sum(r["n"] for r in runs) + sum(len(scored) for scored in (under_way or {}).get("items", {}).values())
+    with tqdm(total=len(sample_ids) * len(engines), initial=done, desc="bfcl", unit="generation") as progress:
         for category, items in samples.items():
-            runs += run_category(engines, builder, category, items, cfg, progress)
+            if any(r["category"] == category for r in runs):
+                continue
+            partial = under_way if under_way and under_way["category"] == category else {"category": category}
+            on_batch = functools.partial(save, partial)
+            runs += run_category(engines, builder, category, items, cfg, progress, partial=partial, on_batch=on_batch)
+            save()
             # Every category brings new length buckets, so new executables for each engine; a sweep that kept them
             # all would exhaust the process's memory maps (vm.max_map_count) on CPU. Repeated shapes come back from
             # the persistent compile cache.
             jax.clear_caches()
-            result = {"model": model_name, "config": config, "runs": runs, "summary": summarize_runs(runs)}
-            if on_category is not None:
-                on_category(result)
-    return result
+    return result()
 
 
 def summarize_runs(runs: list[dict]) -> list[dict]:
