@@ -41,6 +41,9 @@ def test_merge_joins_items_and_recomputes_accuracy():
 def test_merge_refuses_overlapping_items():
     with pytest.raises(ValueError, match="more than one result"):
         merge_bfcl.merge([result([item(0, True)]), result([item(0, False)])])
+    interrupted = result([item(1, True)]) | {"partial": {"category": "multiple", "items": {}, "timing": {}}}
+    with pytest.raises(ValueError, match="multiple under way"):
+        merge_bfcl.merge([result([item(0, True)]), interrupted])
 
 
 def test_merge_replace_takes_the_later_item():

@@ -18,6 +18,8 @@ def merge(results: list[dict], methods: set[str] | None = None, replace: bool = 
     the later result's item wins."""
     if len({r["model"] for r in results}) != 1:
         raise ValueError("results are for different models")
+    if under_way := [r["partial"]["category"] for r in results if r.get("partial")]:
+        raise ValueError(f"a result has {under_way[0]} under way (interrupted): rerun its command to finish it first")
     joined: dict[tuple, dict] = {}
     for result in results:
         for run in result["runs"]:
