@@ -89,6 +89,11 @@ def test_malformed_documents_are_refused(doc: str, message: str, tmp_path: Path)
 def test_a_missing_results_file_is_named(tmp_path: Path):
     with pytest.raises(ReportError, match="results/cache_bytes.json is missing"):
         render_tables("<!-- table:cache_bytes -->\n<!-- /table -->\n", tmp_path)
+    interrupted = tmp_path / "results/bfcl_schema_eval.json"
+    interrupted.parent.mkdir()
+    interrupted.write_text(json.dumps({"runs": [], "partial": {"category": "multiple"}}))
+    with pytest.raises(ReportError, match="has multiple under way"):
+        render_tables("<!-- table:schema_eval -->\n<!-- /table -->\n", tmp_path)
 
 
 def _bfcl_ids(split: str) -> list[str]:

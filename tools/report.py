@@ -92,7 +92,10 @@ def load_json(root: Path, relative: str) -> dict:
     path = root / relative
     if not path.is_file():
         raise ReportError(f"results file {relative} is missing under {root}")
-    return json.loads(path.read_text(encoding="utf-8"))
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(data, dict) and data.get("partial"):  # `pask-jax bfcl` interrupted: a table would miss its batches
+        raise ReportError(f"results file {relative} has {data['partial']['category']} under way: finish its run first")
+    return data
 
 
 def _runs(result: dict, method: str, budget: float, categories: Sequence[str] | None = None) -> list[dict]:
