@@ -576,6 +576,7 @@ REGIMES_SHORT = tuple(  # the same policies on BFCL's own dev prompts
     f"results/dev_v3/bfcl_dev_short_{policies}.json" for policies in ("regimes", "regimes48")
 )
 DEV_1_5B = Tuning(("results/dev_1_5b/dev_b033.json",), TUNING_BUDGET)  # the 1.5B model's own dev grid
+SHORT_1_5B = "results/bfcl_1_5b_v2/bfcl_1_5b_v2.json"  # its frozen sample, every baseline at its dev choice
 LONG_TUNING = Tuning(  # long prompts: every method's variant chosen on long dev prompts, both layouts
     ("results/dev_long/bfcl_dev_long2k_question_last.json", "results/dev_long/bfcl_dev_long2k_question_first.json"),
     0.2,
@@ -1687,6 +1688,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
         for b in (0.2, 0.33)
     },
     "dev_tuning_1_5b": functools.partial(dev_tuning, tuning=DEV_1_5B),
+    "short_prompts_1_5b_every_baseline": functools.partial(long_prompts, file=SHORT_1_5B, tuning=DEV_1_5B),
     **{
         f"short_prompts_v2{part}": functools.partial(
             long_prompts, file=f"results/short_v2/bfcl_short_v2{part}.json", tuning=SHORT_V2_TUNING
