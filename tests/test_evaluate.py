@@ -47,29 +47,23 @@ def test_an_interrupted_run_resumes_from_its_last_batch(tiny_qwen: Qwen3, tmp_pa
     from pask_jax.experiments.bfcl import evaluate
 
     cfg = EvalConfig(methods=("full",), categories=("simple_python",), limit=2, batch_size=1, max_new_tokens=6)
-    whole = run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg)
-    out = tmp_path / "r.json"
-    write_json = evaluate.write_json
-
-    def killed_after_first_save(path, data):
-        write_json(path, data)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(evaluate, "write_json", killed_after_first_save)
-    with pytest.raises(KeyboardInterrupt):
-        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg, out=out)
-    monkeypatch.setattr(evaluate, "write_json", write_json)
-    saved = json.loads(out.read_text())
-    assert saved["runs"] == [] and len(saved["partial"]["items"]["full@1"]) == 1  # one of the two batches kept
-    batches = []
-    generate_shared = evaluate.generate_shared
+    saves, write_json = [], evaluate.write_json
+    monkeypatch.setattr(
+        evaluate, "write_json", lambda path, data: saves.append(json.dumps(data)) or write_json(path, data)
+    )
+    whole = run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg, out=tmp_path / "whole.json")
+    after_first, *_, last = map(json.loads, saves)  # saved after every batch, the category's runs at its end
+    assert after_first["runs"] == [] and len(after_first["partial"]["items"]["full@1"]) == 1
+    assert "partial" not in last and last["runs"] == whole["runs"]
+    killed = tmp_path / "killed.json"  # as a run killed after its first batch left it
+    killed.write_text(saves[0])
+    batches, generate_shared = [], evaluate.generate_shared
     monkeypatch.setattr(evaluate, "generate_shared", lambda *a, **k: batches.append(a[1]) or generate_shared(*a, **k))
-    resumed = run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg, out=out)
+    resumed = run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg, out=killed)
     assert len(batches) == 1  # only the missing batch ran
-    texts = [[i["text"] for i in run["items"]] for run in (whole["runs"][0], resumed["runs"][0])]
-    assert texts[0] == texts[1] and "partial" not in json.loads(out.read_text())
+    assert [i["text"] for i in resumed["runs"][0]["items"]] == [i["text"] for i in whole["runs"][0]["items"]]
     with pytest.raises(ValueError, match="limit differ"):
-        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", dataclasses.replace(cfg, limit=1), out=out)
+        run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", dataclasses.replace(cfg, limit=1), out=killed)
 
 
 def test_dev_split_scores_dev_items_and_refuses_policies_fitted_elsewhere(tiny_qwen: Qwen3):
