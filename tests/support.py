@@ -78,7 +78,10 @@ CASES: dict[str, Callable[[float], KVMethod]] = {
     "dapq_random": lambda budget: DapQ(content="random", num_pseudo=8),
     "dapq_max_pooled": lambda budget: DapQ(num_pseudo=8, pooling="max"),
     "pask_policy": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget),
-    "pask_policy_dapq_rank": lambda budget: PaskKV.from_policy(SYNTHETIC_POLICY, budget, rank="dapq"),
+    # DapQ's rank inside a level, ordered by both queries (the pseudo queries and SnapKV's observation window)
+    "pask_policy_dapq_rank_both_queries": lambda budget: PaskKV.from_policy(
+        SYNTHETIC_POLICY, budget, rank="dapq", query="both"
+    ),
     "pask_policy_v1": lambda budget: PaskKV.from_policy(
         SYNTHETIC_POLICY, budget, rank="recency", system_as_request=False
     ),

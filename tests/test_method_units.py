@@ -300,16 +300,17 @@ def test_a_method_config_file_layers_on_the_packaged_defaults(tmp_path):
         load_method_config(path)
 
 
-def _pask_prefill(method, roles: list[int], dapq: list[float]) -> np.ndarray:
+def _pask_prefill(method, roles: list[int], dapq: list[float], window: list[float] | None = None) -> np.ndarray:
     """PASK's prefill scores (one layer, one sequence, one KV head) of a prompt with these roles, DapQ giving
-    `dapq` to its entries."""
+    `dapq` to its entries (and SnapKV's observation window `window`)."""
     t = len(roles)
     ctx, _ = fake_ctx([list(range(1, t + 1))], t=t, kv_heads=1, layers=1)
     ctx.positions = jnp.arange(t)[None]
     ctx.valid = jnp.ones((1, t), bool)
     ctx.roles = jnp.asarray([[int(x) for x in roles]], jnp.int32)
     ctx.extra_query_scores = lambda *_: [jnp.asarray(dapq, jnp.float32)[None, None]]
-    return np.asarray(method.prefill_scores([None], ctx)[0])[0, 0]
+    observed = None if window is None else jnp.asarray(window, jnp.float32)[None, None]
+    return np.asarray(method.prefill_scores([observed], ctx)[0])[0, 0]
 
 
 def test_pask_rank_pooling_and_system_as_request_options():
@@ -346,6 +347,14 @@ def test_pask_rank_pooling_and_system_as_request_options():
     pooled = _pask_prefill(PaskKV(**tables, pooling="max", system_as_request=False), roles, dapq)
     # max-pooled over 7 keys, entries 3-6 all see DapQ's 0.9: ties, broken by position
     assert sorted(unprotected, key=lambda i: pooled[i]) == [3, 4, 5, 6]
+    window = [0.0, 0.0, 0.0, 0.1, 0.7, 0.2, 0.9, 0.5]  # what the prompt's last tokens attend to
+    by_window = _pask_prefill(PaskKV(**tables, pooling="none", query="window"), roles, dapq, window)
+    assert sorted(unprotected, key=lambda i: by_window[i]) == [3, 5, 4, 6]  # the window alone orders them
+    both = _pask_prefill(PaskKV(**tables, pooling="none", query="both"), roles, dapq, window)
+    assert sorted(unprotected, key=lambda i: both[i]) == [4, 5, 6, 3]  # the higher rank, ties by the pseudo queries
+    assert not PaskKV().needs_prefill_attention and PaskKV(query="both").needs_prefill_attention
+    with pytest.raises(ValueError, match="query"):
+        PaskKV(query="last")
     with pytest.raises(ValueError, match="rank"):
         PaskKV(rank="attention")
     with pytest.raises(ValueError, match="pooling"):

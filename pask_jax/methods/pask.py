@@ -23,6 +23,10 @@ Hyper-parameters:
   The query-aware order needs no grammar, so free-text answers keep it too.
 - `pooling`: "max" (default), "avg" or "none": DapQ's scores pooled along the keys (SnapKV's kernel of 7) before
   they order entries (the long-prompt dev choice).
+- `query`: whose attention the query-aware order reads. "pseudo" (default): DapQ's pseudo queries placed where the
+  call will be written; "window": SnapKV's observation window (the prompt's last 32 tokens: the question when it
+  comes last), pooled as `pooling` says; "both": an entry ranks by the higher of its two ranks (ties by the pseudo
+  queries' rank), so what either query attends to stays.
 - `floor_order`: which of a role's entries its floor protects when the floor is a fraction. "recency" (default):
   the most recent ceil(floor * n), the rule calibration measured floors with. "query": the ceil(floor * n) that the
   query-aware order ranks highest (needs a DapQ `rank`). On a long request at a small budget the recent tail alone
@@ -40,6 +44,7 @@ Without a policy (`PaskKV()`), every bucket is equal: the order alone decides, w
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -49,6 +54,7 @@ import numpy as np
 from pask_jax.layers import layer_groups
 from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
 from pask_jax.methods.dapq import DapQ
+from pask_jax.methods.snapkv import SnapKV, window_attention, window_scores
 from pask_jax.policy import PersistencePolicy
 from pask_jax.structure.roles import NO_TOOL, Role, num_roles
 
@@ -58,6 +64,8 @@ TIER = PRIORITY_LEVELS + 1  # levels per tier: 0 unprotected, 1 floor-protected 
 RANKS = ("recency", "dapq", "dapq_tier")
 POOLINGS = ("none", "max", "avg")
 FLOOR_ORDERS = ("recency", "query")
+QUERIES = ("pseudo", "window", "both")
+SNAPKV_WINDOW, SNAPKV_KERNEL = SnapKV.window, SnapKV.kernel  # the observation window and pooling of SnapKV's defaults
 
 Table = tuple[tuple[float, ...], ...]  # [R][G]
 
@@ -77,6 +85,7 @@ class PaskKV(KVMethod):
     rank: str = "dapq_tier"  # or "dapq" / "recency"
     pooling: str = "max"  # of the DapQ scores that order entries: or "none" / "avg"
     floor_order: str = "recency"  # or "query"
+    query: str = "pseudo"  # or "window" / "both"
     system_as_request: bool = True
     schema_release: bool = False
 
@@ -87,6 +96,8 @@ class PaskKV(KVMethod):
             raise ValueError(f"PASK pooling must be one of {POOLINGS}, not {self.pooling!r}")
         if self.floor_order not in FLOOR_ORDERS:
             raise ValueError(f"PASK floor_order must be one of {FLOOR_ORDERS}, not {self.floor_order!r}")
+        if self.query not in QUERIES:
+            raise ValueError(f"PASK query must be one of {QUERIES}, not {self.query!r}")
         if self.floor_order == "query" and self.rank == "recency":
             raise ValueError('PASK floor_order="query" needs a query-aware rank ("dapq" or "dapq_tier"), not "recency"')
 
@@ -146,16 +157,42 @@ class PaskKV(KVMethod):
         score = jnp.where((ctx.positions < self.sinks)[:, None], PROTECTED, score)
         return jnp.broadcast_to(score, (b, ctx.kv_heads, t)).astype(jnp.float32)
 
+    @property
+    def needs_prefill_attention(self) -> bool:  # the observation window's attention, for a window query
+        return self.rank != "recency" and self.query != "pseudo"
+
+    def prefill_observe(self, layer, q, keys, query_start, ctx: PrefillContext) -> jax.Array:
+        return window_attention(q, keys, query_start, ctx.lengths, SNAPKV_WINDOW)
+
+    def query_order(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
+        """Per layer, the prompt entries' rank under the query-aware order -> i32[B, K, T] (distinct per row,
+        padding lowest)."""
+
+        def rank(scores: jax.Array) -> jax.Array:
+            return jnp.argsort(jnp.argsort(jnp.where(ctx.valid[:, None], scores, -jnp.inf), axis=-1), axis=-1)
+
+        pseudo = window = None
+        if self.query != "window":
+            pseudo = [rank(d) for d in DapQ(pooling=self.pooling).prefill_scores(observed, ctx)]
+        if self.query != "pseudo":
+            pool = functools.partial(
+                window_scores, lengths=ctx.lengths, window=SNAPKV_WINDOW, kernel=SNAPKV_KERNEL, pooling=self.pooling
+            )
+            window = [rank(o if self.pooling == "none" else pool(o)) for o in observed]
+        if window is None or pseudo is None:
+            return window or pseudo
+        t = ctx.valid.shape[-1]  # the higher rank first, then the pseudo queries': distinct in int32 below 46k tokens
+        return [rank(jnp.maximum(p, w) * t + p) for p, w in zip(pseudo, window, strict=True)]
+
     def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
         if self.rank == "recency":
             return [self.role_scores(layer, ctx) for layer in range(len(observed))]
-        # Inside a level (or a tier), order prompt entries by DapQ's pseudo-query attention: its rank replaces the
-        # position (and, for "dapq_tier", the priority).
-        pseudo = DapQ(pooling=self.pooling).prefill_scores(observed, ctx)
+        # Inside a level (or a tier), order prompt entries by the query-aware rank: it replaces the position (and,
+        # for "dapq_tier", the priority).
         ranked = []
-        for layer, d in enumerate(pseudo):
-            order = jnp.argsort(jnp.argsort(jnp.where(ctx.valid[:, None], d, -jnp.inf), axis=-1), axis=-1)
-            score = self.role_scores(layer, ctx, order.astype(jnp.float32) if self.floor_order == "query" else None)
+        for layer, order in enumerate(self.query_order(observed, ctx)):
+            order = order.astype(jnp.float32)
+            score = self.role_scores(layer, ctx, order if self.floor_order == "query" else None)
             level = jnp.floor(score / POSITION_RANGE)
             if self.rank == "dapq_tier":
                 level = TIER * jnp.floor(level / TIER)
