@@ -575,6 +575,11 @@ REGIMES_LONG = Tuning(  # the policies calibrated in several regimes (21 and 45 
 REGIMES_SHORT = tuple(  # the same policies on BFCL's own dev prompts
     f"results/dev_v3/bfcl_dev_short_{policies}.json" for policies in ("regimes", "regimes48")
 )
+QUERIES_LONG = Tuning(  # PASK's query-aware order reading the pseudo queries, the observation window or both
+    tuple(f"results/dev_v4/bfcl_dev_long2k_queries_{layout}.json" for layout in ("question_last", "question_first")),
+    0.2,
+)
+QUERIES_SHORT = ("results/dev_v4/bfcl_dev_short_queries.json",)  # the same variants on BFCL's own dev prompts
 DEV_1_5B = Tuning(("results/dev_1_5b/dev_b033.json",), TUNING_BUDGET)  # the 1.5B model's own dev grid
 SHORT_1_5B = "results/bfcl_1_5b_v2/bfcl_1_5b_v2.json"  # its frozen sample, every baseline at its dev choice
 LONG_TUNING = Tuning(  # long prompts: every method's variant chosen on long dev prompts, both layouts
@@ -1623,6 +1628,14 @@ def prefill_compute(root: Path, file: str = "results/bench_prefill_flops.json") 
     return _block(claim, _table(head, rows))
 
 
+def short_dev_tables(name: str, files: tuple[str, ...]) -> dict[str, Callable[[Path], str]]:
+    """`NAME_short_b02` and `NAME_short_b033`: the dev variants of `files` (BFCL's own dev prompts) at each budget."""
+    return {
+        f"{name}_short_b{b:g}".replace(".", ""): functools.partial(dev_tuning, tuning=Tuning(files, b))
+        for b in (0.2, 0.33)
+    }
+
+
 TABLES: dict[str, Callable[[Path], str]] = {
     "bfcl_sweep_25": bfcl_sweep_25,
     "split_overlap": split_overlap,
@@ -1681,12 +1694,9 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "dev_tuning_v2_long2k": functools.partial(dev_tuning, tuning=V2_TUNING),
     "dev_query_floors_long2k": functools.partial(dev_tuning, tuning=QUERY_FLOORS_LONG),
     "dev_policy_regimes_long2k": functools.partial(dev_tuning, tuning=REGIMES_LONG),
-    **{
-        f"dev_policy_regimes_short_b{b:g}".replace(".", ""): functools.partial(
-            dev_tuning, tuning=Tuning(REGIMES_SHORT, b)
-        )
-        for b in (0.2, 0.33)
-    },
+    **short_dev_tables("dev_policy_regimes", REGIMES_SHORT),
+    "dev_pask_queries_long2k": functools.partial(dev_tuning, tuning=QUERIES_LONG),
+    **short_dev_tables("dev_pask_queries", QUERIES_SHORT),
     "dev_tuning_1_5b": functools.partial(dev_tuning, tuning=DEV_1_5B),
     "short_prompts_1_5b_every_baseline": functools.partial(long_prompts, file=SHORT_1_5B, tuning=DEV_1_5B),
     **{
