@@ -181,8 +181,10 @@ class PaskKV(KVMethod):
             window = [rank(o if self.pooling == "none" else pool(o)) for o in observed]
         if window is None or pseudo is None:
             return window or pseudo
-        t = ctx.valid.shape[-1]  # the higher rank first, then the pseudo queries': distinct in int32 below 46k tokens
-        return [rank(jnp.maximum(p, w) * t + p) for p, w in zip(pseudo, window, strict=True)]
+        # by the higher rank, then the pseudo queries' (padding is lowest in both); exact in int32 below 46k tokens
+        t = ctx.valid.shape[-1]
+        both = [jnp.maximum(p, w) * t + p for p, w in zip(pseudo, window, strict=True)]
+        return [jnp.argsort(jnp.argsort(b, axis=-1), axis=-1) for b in both]
 
     def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
         if self.rank == "recency":
