@@ -579,6 +579,7 @@ QUERIES_LONG = Tuning(  # PASK's query-aware order reading the pseudo queries, t
     tuple(f"results/dev_v4/bfcl_dev_long2k_queries_{layout}.json" for layout in ("question_last", "question_first")),
     0.2,
 )
+WINDOW_TUNING = Tuning(V2_TUNING.files, 0.2, pask_from=QUERIES_LONG)  # the baselines of PASK v2's long sample
 QUERIES_SHORT = ("results/dev_v4/bfcl_dev_short_queries.json",)  # the same variants on BFCL's own dev prompts
 DEV_1_5B = Tuning(("results/dev_1_5b/dev_b033.json",), TUNING_BUDGET)  # the 1.5B model's own dev grid
 SHORT_1_5B = "results/bfcl_1_5b_v2/bfcl_1_5b_v2.json"  # its frozen sample, every baseline at its dev choice
@@ -1696,6 +1697,9 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "dev_policy_regimes_long2k": functools.partial(dev_tuning, tuning=REGIMES_LONG),
     **short_dev_tables("dev_policy_regimes", REGIMES_SHORT),
     "dev_pask_queries_long2k": functools.partial(dev_tuning, tuning=QUERIES_LONG),
+    "long_prompts_2k_window_question_last": functools.partial(
+        long_prompts, file="results/long_v3/bfcl_long2k_v3_question_last.json", tuning=WINDOW_TUNING
+    ),
     **short_dev_tables("dev_pask_queries", QUERIES_SHORT),
     "dev_tuning_1_5b": functools.partial(dev_tuning, tuning=DEV_1_5B),
     "short_prompts_1_5b_every_baseline": functools.partial(long_prompts, file=SHORT_1_5B, tuning=DEV_1_5B),
