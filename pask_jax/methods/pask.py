@@ -44,7 +44,6 @@ Without a policy (`PaskKV()`), every bucket is equal: the order alone decides, w
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar
 
 import jax
@@ -54,7 +53,7 @@ import numpy as np
 from pask_jax.layers import layer_groups
 from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
 from pask_jax.methods.dapq import DapQ
-from pask_jax.methods.snapkv import SnapKV, window_attention, window_scores
+from pask_jax.methods.snapkv import SnapKV
 from pask_jax.policy import PersistencePolicy
 from pask_jax.structure.roles import NO_TOOL, Role, num_roles
 
@@ -65,7 +64,6 @@ RANKS = ("recency", "dapq", "dapq_tier")
 POOLINGS = ("none", "max", "avg")
 FLOOR_ORDERS = ("recency", "query")
 QUERIES = ("pseudo", "window", "both")
-SNAPKV_WINDOW, SNAPKV_KERNEL = SnapKV.window, SnapKV.kernel  # the observation window and pooling of SnapKV's defaults
 
 Table = tuple[tuple[float, ...], ...]  # [R][G]
 
@@ -162,7 +160,7 @@ class PaskKV(KVMethod):
         return self.rank != "recency" and self.query != "pseudo"
 
     def prefill_observe(self, layer, q, keys, query_start, ctx: PrefillContext) -> jax.Array:
-        return window_attention(q, keys, query_start, ctx.lengths, SNAPKV_WINDOW)
+        return SnapKV().prefill_observe(layer, q, keys, query_start, ctx)  # its window at SnapKV's defaults
 
     def query_order(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
         """Per layer, the prompt entries' rank under the query-aware order -> i32[B, K, T] (distinct per row,
@@ -175,10 +173,8 @@ class PaskKV(KVMethod):
         if self.query != "window":
             pseudo = [rank(d) for d in DapQ(pooling=self.pooling).prefill_scores(observed, ctx)]
         if self.query != "pseudo":
-            pool = functools.partial(
-                window_scores, lengths=ctx.lengths, window=SNAPKV_WINDOW, kernel=SNAPKV_KERNEL, pooling=self.pooling
-            )
-            window = [rank(o if self.pooling == "none" else pool(o)) for o in observed]
+            scores = observed if self.pooling == "none" else SnapKV(pooling=self.pooling).prefill_scores(observed, ctx)
+            window = [rank(s) for s in scores]
         if window is None or pseudo is None:
             return window or pseudo
         # by the higher rank, then the pseudo queries' (padding is lowest in both); exact in int32 below 46k tokens
