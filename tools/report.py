@@ -580,6 +580,7 @@ QUERIES_LONG = Tuning(  # PASK's query-aware order reading the pseudo queries, t
     0.2,
 )
 WINDOW_TUNING = Tuning(V2_TUNING.files, 0.2, pask_from=QUERIES_LONG)  # the baselines of PASK v2's long sample
+LONG_V3_QUESTION_LAST = "results/long_v3/bfcl_long2k_v3_question_last.json"  # its fresh sample, items 110-119
 QUERIES_SHORT = ("results/dev_v4/bfcl_dev_short_queries.json",)  # the same variants on BFCL's own dev prompts
 DEV_1_5B = Tuning(("results/dev_1_5b/dev_b033.json",), TUNING_BUDGET)  # the 1.5B model's own dev grid
 SHORT_1_5B = "results/bfcl_1_5b_v2/bfcl_1_5b_v2.json"  # its frozen sample, every baseline at its dev choice
@@ -845,32 +846,50 @@ LONG_V2 = {  # the frozen PASK v2's long-prompt tables: name -> results file (tu
     "4k_v2_question_last": "results/long_v2/bfcl_long4k_v2_question_last.json",
     "4k_v2_question_first": "results/long_v2/bfcl_long4k_v2_question_first.json",
 }
-DEFAULT_PASK_SAMPLES = (  # the default PASK's frozen evaluation samples: (model, prompts, file, tuning)
-    ("0.5B", "BFCL's own (300-800 tokens)", "results/short_v2/bfcl_short_v2_pooled.json", SHORT_V2_TUNING),
-    ("0.5B", "2k tokens, question last", LONG_V2["2k_v2_question_last"], V2_TUNING),
-    ("0.5B", "2k tokens, question first", LONG_V2["2k_v2_question_first"], V2_TUNING),
-    ("0.5B", "4k tokens, question last", LONG_V2["4k_v2_question_last"], V2_TUNING),
-    ("0.5B", "4k tokens, question first", LONG_V2["4k_v2_question_first"], V2_TUNING),
-    ("1.5B", "2k tokens, question last", LONG_V2["2k_v2_1_5b_question_last"], V2_TUNING),
-    ("1.5B", "2k tokens, question first", LONG_V2["2k_v2_1_5b_question_first"], V2_TUNING),
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenSample:
+    """One frozen evaluation sample of the README's table. `pask`: the PASK variant reported where it is not the
+    tuning's choice (the packaged default, scored beside a frozen candidate that was not adopted)."""
+
+    model: str
+    prompts: str
+    file: str
+    tuning: Tuning
+    pask: str | None = None
+
+
+SHORT_V2_POOLED = "results/short_v2/bfcl_short_v2_pooled.json"  # PASK v2's short-prompt sample, items 0-24 and 60-84
+DEFAULT_PASK_SAMPLES = (  # the default PASK's frozen evaluation samples
+    FrozenSample("0.5B", "BFCL's own (under 800 tokens)", SHORT_V2_POOLED, SHORT_V2_TUNING),
+    FrozenSample("0.5B", "2k tokens, question last", LONG_V2["2k_v2_question_last"], V2_TUNING),
+    FrozenSample("0.5B", "2k tokens, question last (items 110-119)", LONG_V3_QUESTION_LAST, WINDOW_TUNING, "pask"),
+    FrozenSample("0.5B", "2k tokens, question first", LONG_V2["2k_v2_question_first"], V2_TUNING),
+    FrozenSample("0.5B", "4k tokens, question last", LONG_V2["4k_v2_question_last"], V2_TUNING),
+    FrozenSample("0.5B", "4k tokens, question first", LONG_V2["4k_v2_question_first"], V2_TUNING),
+    FrozenSample("1.5B", "BFCL's own (under 800 tokens)", SHORT_1_5B, DEV_1_5B),
+    FrozenSample("1.5B", "2k tokens, question last", LONG_V2["2k_v2_1_5b_question_last"], V2_TUNING),
+    FrozenSample("1.5B", "2k tokens, question first", LONG_V2["2k_v2_1_5b_question_first"], V2_TUNING),
 )
 
 
-def readme_default(root: Path, samples: Sequence[tuple[str, str, str, Tuning]] = DEFAULT_PASK_SAMPLES) -> str:
+def readme_default(root: Path, samples: Sequence[FrozenSample] = DEFAULT_PASK_SAMPLES) -> str:
     """The README's table of the default PASK: per frozen sample and budget, correct items of full KV, PASK and the
     strongest baseline row, with PASK's paired differences against both."""
     rows, comparisons = [], []  # comparisons: PASK against the strongest baseline, per row
-    for model, prompts, file, tuning in samples:
-        result, chosen, positive = _frozen_eval(root, file, tuning)
+    for sample in samples:
+        result, chosen, positive = _frozen_eval(root, sample.file, sample.tuning)
+        spec = sample.pask or chosen["pask"]
         full = outcomes(result, "full", 1.0, positive)
-        for budget in _scored_budgets(result, chosen["pask"]):
+        for budget in _scored_budgets(result, spec):
             best = _strongest_baseline(result, budget, positive)
-            pask = outcomes(result, chosen["pask"], budget, positive)
+            pask = outcomes(result, spec, budget, positive)
             against_best = paired(pask, outcomes(result, best, budget, positive))
             against_full = paired(pask, full)
             comparisons.append(against_best)
             rows.append(
-                [model, prompts, f"{budget:g}", len(pask), sum(full.values()), sum(pask.values()),
+                [sample.model, sample.prompts, f"{budget:g}", len(pask), sum(full.values()), sum(pask.values()),
                  f"{best} {against_best.right_b}", f"{against_best.difference}, p = {against_best.p}",
                  f"{against_full.difference}, p = {against_full.p}"]
             )  # fmt: skip
@@ -1698,7 +1717,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     **short_dev_tables("dev_policy_regimes", REGIMES_SHORT),
     "dev_pask_queries_long2k": functools.partial(dev_tuning, tuning=QUERIES_LONG),
     "long_prompts_2k_window_question_last": functools.partial(
-        long_prompts, file="results/long_v3/bfcl_long2k_v3_question_last.json", tuning=WINDOW_TUNING
+        long_prompts, file=LONG_V3_QUESTION_LAST, tuning=WINDOW_TUNING
     ),
     **short_dev_tables("dev_pask_queries", QUERIES_SHORT),
     "dev_tuning_1_5b": functools.partial(dev_tuning, tuning=DEV_1_5B),
