@@ -19,7 +19,7 @@ from pask_jax.methods.pyramidkv import pyramid_fractions
 from pask_jax.methods.snapkv import prompt_first_priority, window_attention, window_scores
 from pask_jax.models import qwen3
 from pask_jax.models.qwen3 import ModelConfig, Qwen3
-from pask_jax.structure.roles import Role, num_roles
+from pask_jax.structure.roles import NO_TOOL, Role, num_roles
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -300,14 +300,17 @@ def test_a_method_config_file_layers_on_the_packaged_defaults(tmp_path):
         load_method_config(path)
 
 
-def _pask_prefill(method, roles: list[int], dapq: list[float], window: list[float] | None = None) -> np.ndarray:
+def _pask_prefill(
+    method, roles: list[int], dapq: list[float], window: list[float] | None = None, tools: list[int] | None = None
+) -> np.ndarray:
     """PASK's prefill scores (one layer, one sequence, one KV head) of a prompt with these roles, DapQ giving
-    `dapq` to its entries (and SnapKV's observation window `window`)."""
+    `dapq` to its entries (and SnapKV's observation window `window`; `tools`: the tool each entry describes)."""
     t = len(roles)
     ctx, _ = fake_ctx([list(range(1, t + 1))], t=t, kv_heads=1, layers=1)
     ctx.positions = jnp.arange(t)[None]
     ctx.valid = jnp.ones((1, t), bool)
     ctx.roles = jnp.asarray([[int(x) for x in roles]], jnp.int32)
+    ctx.tools = None if tools is None else jnp.asarray([tools], jnp.int32)
     ctx.extra_query_scores = lambda *_: [jnp.asarray(dapq, jnp.float32)[None, None]]
     observed = None if window is None else jnp.asarray(window, jnp.float32)[None, None]
     return np.asarray(method.prefill_scores([observed], ctx)[0])[0, 0]
@@ -352,9 +355,20 @@ def test_pask_rank_pooling_and_system_as_request_options():
     assert sorted(unprotected, key=lambda i: by_window[i]) == [3, 5, 4, 6]  # the window alone orders them
     both = _pask_prefill(PaskKV(**tables, pooling="none", query="both"), roles, dapq, window)
     assert sorted(unprotected, key=lambda i: both[i]) == [4, 5, 6, 3]  # the higher rank, ties by the pseudo queries
+    tools = [NO_TOOL, NO_TOOL, NO_TOOL, 0, 0, 1, 1, NO_TOOL]  # two tools of two entries each
+    whole_tools = PaskKV(**tables, pooling="none", granularity="tool", system_as_request=False)
+    whole = _pask_prefill(whole_tools, roles, dapq, tools=tools)
+    assert sorted(unprotected, key=lambda i: whole[i]) == [6, 5, 4, 3]  # tool 1 (best 0.8) below tool 0 (0.9)
+    np.testing.assert_array_equal(level(whole), level(tier))  # the policy's levels unchanged: the order moved
+    no_tools = _pask_prefill(whole_tools, roles, dapq)
+    np.testing.assert_array_equal(no_tools, tier)  # without tool indices: each entry by its own score
     assert not PaskKV().needs_prefill_attention and PaskKV(query="both").needs_prefill_attention
     with pytest.raises(ValueError, match="query"):
         PaskKV(query="last")
+    with pytest.raises(ValueError, match="granularity"):
+        PaskKV(granularity="token")
+    with pytest.raises(ValueError, match="granularity"):
+        PaskKV(rank="recency", granularity="tool")
     with pytest.raises(ValueError, match="rank"):
         PaskKV(rank="attention")
     with pytest.raises(ValueError, match="pooling"):
@@ -398,6 +412,25 @@ def test_floor_protected_matches_a_loop(seed: int):
                 top = sorted(idx, key=lambda x: -order[i, h, x])[: int(np.ceil(floor[role] * len(idx)))]
                 want[i, h, top] = True
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_rank_by_tool_matches_a_loop(seed: int):
+    """Per (sequence, head): entries sorted by their tool's best score (their own outside tools), then their own."""
+    from pask_jax.methods.pask import rank_by_tool
+
+    rng = np.random.default_rng(seed)
+    b, k, t = 2, 2, 19
+    scores = rng.random((b, k, t)).astype(np.float32)
+    tools = rng.integers(NO_TOOL, 4, (b, t))
+    got = np.asarray(rank_by_tool(jnp.asarray(scores), jnp.asarray(tools, jnp.int32)))
+    for i in range(b):
+        for h in range(k):
+            s = scores[i, h]
+            best = {j: s[tools[i] == j].max() for j in set(tools[i].tolist()) - {NO_TOOL}}
+            unit = [s[x] if tools[i, x] == NO_TOOL else best[tools[i, x]] for x in range(t)]
+            want = sorted(range(t), key=lambda x: (unit[x], s[x]))
+            assert np.argsort(got[i, h]).tolist() == want
 
 
 def test_pask_floor_order_query_protects_what_the_query_attends_to():

@@ -140,6 +140,20 @@ def test_pask_evicts_the_tools_not_called_first():
     assert any((e & of_tool[a]) and (k & of_tool[b]) for e, k in unknown for a, b in ((0, 1), (1, 0)))
 
 
+def test_the_whole_tool_order_keeps_whole_tools_after_prefill():
+    """At most one tool is cut per (layer, KV head) under the tool granularity; the entry order cuts several."""
+    model = tiny_model("qwen2", seed=1)
+    tools_row = [NO_TOOL] + [0] * 5 + [1] * 5 + [2] * 5
+    of_tool = [{i for i, k in enumerate(tools_row) if k == t} for t in range(3)]
+
+    def cut_tools(method: PaskKV) -> list[int]:  # per (layer, head): how many tools kept in part
+        kept = [k for _, k in _evicted_prompt_positions(model, method, tools_row, NO_TOOL, steps=0)]
+        return [sum(0 < len(k & entries) < len(entries) for entries in of_tool) for k in kept]
+
+    assert max(cut_tools(PaskKV(pooling="none", granularity="tool"))) <= 1
+    assert max(cut_tools(PaskKV(pooling="none"))) >= 2
+
+
 def test_release_ranks_unchosen_entries_below_every_level():
     method = PaskKV(schema_release=True)
     priority = jnp.asarray([[[5.0 * POSITION_RANGE, 3.0, 1e30, 2.0 * POSITION_RANGE]]])  # f32[B=1, K=1, C=4]

@@ -27,6 +27,11 @@ Hyper-parameters:
   call will be written; "window": SnapKV's observation window (the prompt's last 32 tokens: the question when it
   comes last), pooled as `pooling` says; "both": an entry ranks by the higher of its two ranks (ties by the pseudo
   queries' rank), so what either query attends to stays.
+- `granularity`: what the query-aware order ranks. "entry" (default): each prompt entry by its own score. "tool":
+  the entries of one offered tool's definition rank together, at the score of the tool's best entry (then by their
+  own), so the budget keeps whole tools, the one the query attends to most first, instead of fragments of every
+  tool; entries outside tool definitions keep their own score. Needs a query-aware `rank` and the prompt's tool
+  indices (without them it ranks entries).
 - `floor_order`: which of a role's entries its floor protects when the floor is a fraction. "recency" (default):
   the most recent ceil(floor * n), the rule calibration measured floors with. "query": the ceil(floor * n) that the
   query-aware order ranks highest (needs a DapQ `rank`). On a long request at a small budget the recent tail alone
@@ -64,6 +69,7 @@ RANKS = ("recency", "dapq", "dapq_tier")
 POOLINGS = ("none", "max", "avg")
 FLOOR_ORDERS = ("recency", "query")
 QUERIES = ("pseudo", "window", "both")
+GRANULARITIES = ("entry", "tool")
 
 Table = tuple[tuple[float, ...], ...]  # [R][G]
 
@@ -84,6 +90,7 @@ class PaskKV(KVMethod):
     pooling: str = "max"  # of the DapQ scores that order entries: or "none" / "avg"
     floor_order: str = "recency"  # or "query"
     query: str = "pseudo"  # or "window" / "both"
+    granularity: str = "entry"  # or "tool"
     system_as_request: bool = True
     schema_release: bool = False
 
@@ -96,6 +103,10 @@ class PaskKV(KVMethod):
             raise ValueError(f"PASK floor_order must be one of {FLOOR_ORDERS}, not {self.floor_order!r}")
         if self.query not in QUERIES:
             raise ValueError(f"PASK query must be one of {QUERIES}, not {self.query!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"PASK granularity must be one of {GRANULARITIES}, not {self.granularity!r}")
+        if self.granularity == "tool" and self.rank == "recency":
+            raise ValueError('PASK granularity="tool" needs a query-aware rank ("dapq" or "dapq_tier"), not "recency"')
         if self.floor_order == "query" and self.rank == "recency":
             raise ValueError('PASK floor_order="query" needs a query-aware rank ("dapq" or "dapq_tier"), not "recency"')
 
@@ -167,7 +178,10 @@ class PaskKV(KVMethod):
         padding lowest)."""
 
         def rank(scores: jax.Array) -> jax.Array:
-            return jnp.argsort(jnp.argsort(jnp.where(ctx.valid[:, None], scores, -jnp.inf), axis=-1), axis=-1)
+            scores = jnp.where(ctx.valid[:, None], scores, -jnp.inf)
+            if self.granularity == "tool" and ctx.tools is not None:
+                return rank_by_tool(scores, ctx.tools)
+            return jnp.argsort(jnp.argsort(scores, axis=-1), axis=-1)
 
         pseudo = window = None
         if self.query != "window":
@@ -215,6 +229,17 @@ class PaskKV(KVMethod):
         called = called[:, None, None]
         unchosen = (tool != NO_TOOL) & (called != NO_TOOL) & (tool != called)
         return jnp.where(unchosen, pos.astype(jnp.float32) - POSITION_RANGE, priority)  # below every level (>= 0)
+
+
+def rank_by_tool(scores: jax.Array, tools: jax.Array) -> jax.Array:
+    """i32[B, K, T]: the entries' rank (distinct per row) by their tool's best score, then their own; scores
+    f32[B, K, T], tools i32[B, T] (NO_TOOL: an entry outside every tool definition, ranked by its own score)."""
+    b, k, t = scores.shape
+    slot = jnp.broadcast_to(jnp.where(tools == NO_TOOL, t, tools)[:, None], scores.shape)  # i32[B, K, T]; t: none
+    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(k)[None, :, None]
+    best = jnp.full((b, k, t + 1), -jnp.inf).at[rows, heads, slot].max(scores)  # f32[B, K, T + 1] per tool
+    unit = jnp.where(slot < t, jnp.take_along_axis(best, slot, -1), scores)
+    return jnp.argsort(jnp.lexsort((scores, unit), axis=-1), axis=-1)
 
 
 def floor_protected(roles: jax.Array, valid: jax.Array, order: jax.Array, floor: jax.Array) -> jax.Array:
