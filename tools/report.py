@@ -580,7 +580,9 @@ QUERIES_LONG = Tuning(  # PASK's query-aware order reading the pseudo queries, t
     0.2,
 )
 WINDOW_TUNING = Tuning(V2_TUNING.files, 0.2, pask_from=QUERIES_LONG)  # the baselines of PASK v2's long sample
-LONG_V3_QUESTION_LAST = "results/long_v3/bfcl_long2k_v3_question_last.json"  # its fresh sample, items 110-119
+LONG_V3 = {  # the fresh sample of pask:window (items 110-119): layout -> results file
+    layout: f"results/long_v3/bfcl_long2k_v3_{layout}.json" for layout in ("question_last", "question_first")
+}
 QUERIES_SHORT = ("results/dev_v4/bfcl_dev_short_queries.json",)  # the same variants on BFCL's own dev prompts
 DEV_1_5B = Tuning(("results/dev_1_5b/dev_b033.json",), TUNING_BUDGET)  # the 1.5B model's own dev grid
 SHORT_1_5B = "results/bfcl_1_5b_v2/bfcl_1_5b_v2.json"  # its frozen sample, every baseline at its dev choice
@@ -864,8 +866,9 @@ SHORT_V2_POOLED = "results/short_v2/bfcl_short_v2_pooled.json"  # PASK v2's shor
 DEFAULT_PASK_SAMPLES = (  # the default PASK's frozen evaluation samples
     FrozenSample("0.5B", "BFCL's own (under 800 tokens)", SHORT_V2_POOLED, SHORT_V2_TUNING),
     FrozenSample("0.5B", "2k tokens, question last", LONG_V2["2k_v2_question_last"], V2_TUNING),
-    FrozenSample("0.5B", "2k tokens, question last (items 110-119)", LONG_V3_QUESTION_LAST, WINDOW_TUNING, "pask"),
+    FrozenSample("0.5B", "2k tokens, question last (items 110-119)", LONG_V3["question_last"], WINDOW_TUNING, "pask"),
     FrozenSample("0.5B", "2k tokens, question first", LONG_V2["2k_v2_question_first"], V2_TUNING),
+    FrozenSample("0.5B", "2k tokens, question first (items 110-119)", LONG_V3["question_first"], WINDOW_TUNING, "pask"),
     FrozenSample("0.5B", "4k tokens, question last", LONG_V2["4k_v2_question_last"], V2_TUNING),
     FrozenSample("0.5B", "4k tokens, question first", LONG_V2["4k_v2_question_first"], V2_TUNING),
     FrozenSample("1.5B", "BFCL's own (under 800 tokens)", SHORT_1_5B, DEV_1_5B),
@@ -1716,9 +1719,10 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "dev_policy_regimes_long2k": functools.partial(dev_tuning, tuning=REGIMES_LONG),
     **short_dev_tables("dev_policy_regimes", REGIMES_SHORT),
     "dev_pask_queries_long2k": functools.partial(dev_tuning, tuning=QUERIES_LONG),
-    "long_prompts_2k_window_question_last": functools.partial(
-        long_prompts, file=LONG_V3_QUESTION_LAST, tuning=WINDOW_TUNING
-    ),
+    **{
+        f"long_prompts_2k_window_{layout}": functools.partial(long_prompts, file=file, tuning=WINDOW_TUNING)
+        for layout, file in LONG_V3.items()
+    },
     **short_dev_tables("dev_pask_queries", QUERIES_SHORT),
     "dev_tuning_1_5b": functools.partial(dev_tuning, tuning=DEV_1_5B),
     "short_prompts_1_5b_every_baseline": functools.partial(long_prompts, file=SHORT_1_5B, tuning=DEV_1_5B),
