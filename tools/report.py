@@ -584,6 +584,13 @@ LONG_V3 = {  # the fresh sample of pask:window (items 110-119): layout -> result
     layout: f"results/long_v3/bfcl_long2k_v3_{layout}.json" for layout in ("question_last", "question_first")
 }
 QUERIES_SHORT = ("results/dev_v4/bfcl_dev_short_queries.json",)  # the same variants on BFCL's own dev prompts
+WHOLE_TOOLS_LONG = Tuning(  # PASK's default against its whole-tool order on the long dev prompts
+    tuple(
+        f"results/dev_v5/bfcl_dev_long2k_whole_tools_{layout}.json" for layout in ("question_last", "question_first")
+    ),
+    0.2,
+)
+WHOLE_TOOLS_SHORT = ("results/dev_v5/bfcl_dev_short_whole_tools.json",)  # and on BFCL's own dev prompts
 DEV_1_5B = Tuning(("results/dev_1_5b/dev_b033.json",), TUNING_BUDGET)  # the 1.5B model's own dev grid
 SHORT_1_5B = "results/bfcl_1_5b_v2/bfcl_1_5b_v2.json"  # its frozen sample, every baseline at its dev choice
 LONG_TUNING = Tuning(  # long prompts: every method's variant chosen on long dev prompts, both layouts
@@ -1724,6 +1731,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
         for layout, file in LONG_V3.items()
     },
     **short_dev_tables("dev_pask_queries", QUERIES_SHORT),
+    "dev_pask_whole_tools_long2k": functools.partial(dev_tuning, tuning=WHOLE_TOOLS_LONG),
+    **short_dev_tables("dev_pask_whole_tools", WHOLE_TOOLS_SHORT),
     "dev_tuning_1_5b": functools.partial(dev_tuning, tuning=DEV_1_5B),
     "short_prompts_1_5b_every_baseline": functools.partial(long_prompts, file=SHORT_1_5B, tuning=DEV_1_5B),
     **{
