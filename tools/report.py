@@ -859,23 +859,19 @@ LONG_V2 = {  # the frozen PASK v2's long-prompt tables: name -> results file (tu
 
 @dataclasses.dataclass(frozen=True)
 class FrozenSample:
-    """One frozen evaluation sample of the README's table. `pask`: the PASK variant reported where it is not the
-    tuning's choice (the packaged default, scored beside a frozen candidate that was not adopted)."""
+    """One frozen evaluation sample of the README's table."""
 
     model: str
     prompts: str
     file: str
     tuning: Tuning
-    pask: str | None = None
 
 
 SHORT_V2_POOLED = "results/short_v2/bfcl_short_v2_pooled.json"  # PASK v2's short-prompt sample, items 0-24 and 60-84
 DEFAULT_PASK_SAMPLES = (  # the default PASK's frozen evaluation samples
     FrozenSample("0.5B", "BFCL's own (under 800 tokens)", SHORT_V2_POOLED, SHORT_V2_TUNING),
     FrozenSample("0.5B", "2k tokens, question last", LONG_V2["2k_v2_question_last"], V2_TUNING),
-    FrozenSample("0.5B", "2k tokens, question last (items 110-119)", LONG_V3["question_last"], WINDOW_TUNING, "pask"),
     FrozenSample("0.5B", "2k tokens, question first", LONG_V2["2k_v2_question_first"], V2_TUNING),
-    FrozenSample("0.5B", "2k tokens, question first (items 110-119)", LONG_V3["question_first"], WINDOW_TUNING, "pask"),
     FrozenSample("0.5B", "4k tokens, question last", LONG_V2["4k_v2_question_last"], V2_TUNING),
     FrozenSample("0.5B", "4k tokens, question first", LONG_V2["4k_v2_question_first"], V2_TUNING),
     FrozenSample("1.5B", "BFCL's own (under 800 tokens)", SHORT_1_5B, DEV_1_5B),
@@ -890,7 +886,7 @@ def readme_default(root: Path, samples: Sequence[FrozenSample] = DEFAULT_PASK_SA
     rows, comparisons = [], []  # comparisons: PASK against the strongest baseline, per row
     for sample in samples:
         result, chosen, positive = _frozen_eval(root, sample.file, sample.tuning)
-        spec = sample.pask or chosen["pask"]
+        spec = chosen["pask"]
         full = outcomes(result, "full", 1.0, positive)
         for budget in _scored_budgets(result, spec):
             best = _strongest_baseline(result, budget, positive)
