@@ -96,18 +96,25 @@ def test_a_missing_results_file_is_named(tmp_path: Path):
         render_tables("<!-- table:schema_eval -->\n<!-- /table -->\n", tmp_path)
 
 
-def _bfcl_ids(split: str) -> list[str]:
+def _bfcl_ids(split: str, offset: int = 0) -> list[str]:
     from pask_jax.experiments import bfcl
 
     sample = bfcl.dev_sample if split == "dev" else bfcl.evaluation_sample
-    return [i["id"] for i in sample("simple_python", 0, 3)]
+    return [i["id"] for i in sample("simple_python", offset, 3)]
 
 
 def _write_bfcl_result(
-    root: Path, name: str, split: str, layout: str, right: dict[str, list[str]], method_config: dict | None = None
+    root: Path,
+    name: str,
+    split: str,
+    layout: str,
+    right: dict[str, list[str]],
+    method_config: dict | None = None,
+    offset: int = 0,
 ) -> str:
-    """A `pask-jax bfcl` result over 3 simple_python items of `split`: spec -> the ids it got right, b = 0.2."""
-    ids = _bfcl_ids(split)
+    """A `pask-jax bfcl` result over 3 simple_python items of `split` from `offset`: spec -> the ids it got right,
+    b = 0.2."""
+    ids = _bfcl_ids(split, offset)
     runs = [
         {"method": spec, "budget": 1.0 if spec == "full" else 0.2, "category": "simple_python", "prepare_s": 1.0}
         | {"items": [{"id": i, "valid": i in ok, "prompt_tokens": 9, "error_type": None} for i in ids], "n": 3}
@@ -160,6 +167,35 @@ def test_a_variant_run_in_later_dev_files_keeps_its_settings_and_layout_columns_
     assert "| variant | settings | simple_python | question last | question first | correct |  |" in table
     assert "| snapkv | window=32 | 3/6 | 2/3 | 1/3 | 3/6 |  |" in table
     assert "| snapkv:w16 | window=16 | 4/6 | 3/3 | 1/3 | 4/6 | **chosen** |" in table
+
+
+@needs_bfcl_data
+def test_held_out_dev_rows_add_both_parts_and_refuse_items_the_choices_read(tmp_path: Path):
+    seen, new = _bfcl_ids("dev"), _bfcl_ids("dev", offset=3)
+
+    def write(name: str, layout: str, right: dict[str, list[str]], offset: int) -> str:
+        return _write_bfcl_result(tmp_path, name, "dev", layout, right, offset=offset)
+
+    first = report.Tuning(
+        (
+            write("a.json", "question_last", {"full": seen, "snapkv": seen[:1], "pask": seen[:2]}, 0),
+            write("b.json", "question_first", {"full": seen[:1], "snapkv": [], "pask": []}, 0),
+        ),
+        0.2,
+    )
+    held_out = (
+        write("c.json", "question_last", {"full": new, "snapkv": new, "pask": new[:1]}, 3),
+        write("d.json", "question_first", {"full": [], "snapkv": new[:1], "pask": new[:1]}, 3),
+    )
+    first_dev = {"full": first, "snapkv": first, "pask": first}
+    table = report.dev_held_out(tmp_path, held_out, first_dev)
+    assert "| snapkv | 1/3 | 3/3 | 0/3 | 1/3 | 4/6 | 5/12 |" in table
+    assert "| pask | 2/3 | 1/3 | 0/3 | 1/3 | 2/6 | 4/12 |" in table
+    assert "| PASK vs snapkv, items 8-19 | 6 | 2 | 4 | 0 | 2 |" in table
+    assert "| PASK vs snapkv, items 0-19 | 12 | 4 | 5 | 1 | 2 |" in table
+    write("d.json", "question_first", {"full": [], "snapkv": seen[:1], "pask": seen[:1]}, 0)
+    with pytest.raises(ReportError, match="held-out items must be dev items the first dev files did not score"):
+        report.dev_held_out(tmp_path, held_out, first_dev)
 
 
 # ---- paired statistics ----------------------------------------------------------------------------------------------

@@ -591,6 +591,17 @@ WHOLE_TOOLS_LONG = Tuning(  # PASK's default against its whole-tool order on the
     0.2,
 )
 WHOLE_TOOLS_SHORT = ("results/dev_v5/bfcl_dev_short_whole_tools.json",)  # and on BFCL's own dev prompts
+LONG_LAYOUTS = ("question_last", "question_first")
+HELD_OUT_DEV = {  # dev items 8-19 of each category, read by no choice: layout -> results file (b = 0.2)
+    layout: f"results/dev_v6/bfcl_dev2_long2k_{layout}.json" for layout in LONG_LAYOUTS
+}
+FIRST_DEV = {  # where the same methods ran on dev items 0-7 (the items the long-prompt choices read)
+    "full": V2_TUNING,
+    "snapkv": V2_TUNING,
+    "dapq": V2_TUNING,
+    "pask": WHOLE_TOOLS_LONG,  # the default order, beside the whole-tool order, from main's code
+    "pask:window": QUERIES_LONG,
+}
 DEV_1_5B = Tuning(("results/dev_1_5b/dev_b033.json",), TUNING_BUDGET)  # the 1.5B model's own dev grid
 SHORT_1_5B = "results/bfcl_1_5b_v2/bfcl_1_5b_v2.json"  # its frozen sample, every baseline at its dev choice
 LONG_TUNING = Tuning(  # long prompts: every method's variant chosen on long dev prompts, both layouts
@@ -646,6 +657,48 @@ def dev_tuning(root: Path, tuning: Tuning = SHORT_TUNING) -> str:
     )
     head = ["variant", "settings", *present, *(layout.replace("_", " ") for layout in by_layout), "correct", ""]
     return _block(claim, _table(head, rows))
+
+
+def dev_held_out(
+    root: Path, held_out_files: Sequence[str] = tuple(HELD_OUT_DEV.values()), first_dev: dict[str, Tuning] = FIRST_DEV
+) -> str:
+    """The long-prompt methods on held-out dev items (8-19 of each category, read by no choice) beside dev items 0-7
+    (what the choices read, `first_dev`: method -> its dev files), per layout; then PASK paired against each other
+    row on the held-out items and on all."""
+    budget = 0.2
+    held_out = [load_json(root, file) for file in held_out_files]
+    first = {tuning: tuning.dev_parts(root) for tuning in dict.fromkeys(first_dev.values())}  # a file per layout
+
+    def scored(results: list[dict], spec: str) -> dict[str, bool]:  # item@layout -> correct
+        b = 1.0 if spec == "full" else budget
+        return {f"{i}@{r['config']['layout']}": ok for r in results for i, ok in outcomes(r, spec, b).items()}
+
+    by_spec = {spec: (scored(first[tuning], spec), scored(held_out, spec)) for spec, tuning in first_dev.items()}
+    for spec, (seen, new) in by_spec.items():
+        if any(bfcl.part_of(key.split("@")[0]) != "dev" for key in new) or set(seen) & set(new):
+            raise ReportError(f"{spec}: the held-out items must be dev items the first dev files did not score")
+    rows = []
+    for spec, (seen, new) in by_spec.items():
+        cells = [
+            f"{sum(ok for key, ok in part.items() if key.endswith(layout))}/{sum(k.endswith(layout) for k in part)}"
+            for layout in LONG_LAYOUTS
+            for part in (seen, new)
+        ]
+        every = sum(seen.values()) + sum(new.values())
+        rows.append([spec, *cells, f"{sum(new.values())}/{len(new)}", f"{every}/{len(seen) + len(new)}"])
+    pask_seen, pask_new = by_spec["pask"]
+    comparisons = []
+    for other, (seen, new) in by_spec.items():
+        if other != "pask":
+            comparisons.append(_paired_row(f"PASK vs {other}, items 8-19", pask_new, new))
+            comparisons.append(_paired_row(f"PASK vs {other}, items 0-19", pask_seen | pask_new, seen | new))
+    claim = (
+        f"On {len(pask_new)} held-out long dev prompts (dev items 8-19 of each category, both layouts, b = {budget:g}, "
+        "full KV unbudgeted): " + ", ".join(f"{spec} {sum(new.values())}" for spec, (_, new) in by_spec.items()) + "."
+    )
+    columns = [f"{layout.replace('_', ' ')}, items {items}" for layout in LONG_LAYOUTS for items in ("0-7", "8-19")]
+    head = ["method", *columns, "items 8-19", "items 0-19"]
+    return _block(claim, _table(head, rows), _table(["A vs B", *PAIRED_HEAD], comparisons))
 
 
 def _frozen_eval(
@@ -1729,6 +1782,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     **short_dev_tables("dev_pask_queries", QUERIES_SHORT),
     "dev_pask_whole_tools_long2k": functools.partial(dev_tuning, tuning=WHOLE_TOOLS_LONG),
     **short_dev_tables("dev_pask_whole_tools", WHOLE_TOOLS_SHORT),
+    "dev_held_out_long2k": dev_held_out,
     "dev_tuning_1_5b": functools.partial(dev_tuning, tuning=DEV_1_5B),
     "short_prompts_1_5b_every_baseline": functools.partial(long_prompts, file=SHORT_1_5B, tuning=DEV_1_5B),
     **{
