@@ -28,6 +28,7 @@ from pathlib import Path
 import jsonschema
 
 from pask_jax.experiments import bfcl
+from pask_jax.experiments.bfcl.long_context import LAYOUTS
 from pask_jax.experiments.bfcl.protocol import choose_variants, dev_totals, method_of
 
 RESAMPLES = 10_000
@@ -591,9 +592,8 @@ WHOLE_TOOLS_LONG = Tuning(  # PASK's default against its whole-tool order on the
     0.2,
 )
 WHOLE_TOOLS_SHORT = ("results/dev_v5/bfcl_dev_short_whole_tools.json",)  # and on BFCL's own dev prompts
-LONG_LAYOUTS = ("question_last", "question_first")
 HELD_OUT_DEV = {  # dev items 8-19 of each category, read by no choice: layout -> results file (b = 0.2)
-    layout: f"results/dev_v6/bfcl_dev2_long2k_{layout}.json" for layout in LONG_LAYOUTS
+    layout: f"results/dev_v6/bfcl_dev2_long2k_{layout}.json" for layout in LAYOUTS
 }
 FIRST_DEV = {  # where the same methods ran on dev items 0-7 (the items the long-prompt choices read)
     "full": V2_TUNING,
@@ -681,7 +681,7 @@ def dev_held_out(
     for spec, (seen, new) in by_spec.items():
         cells = [
             f"{sum(ok for key, ok in part.items() if key.endswith(layout))}/{sum(k.endswith(layout) for k in part)}"
-            for layout in LONG_LAYOUTS
+            for layout in LAYOUTS
             for part in (seen, new)
         ]
         every = sum(seen.values()) + sum(new.values())
@@ -696,7 +696,7 @@ def dev_held_out(
         f"On {len(pask_new)} held-out long dev prompts (dev items 8-19 of each category, both layouts, b = {budget:g}, "
         "full KV unbudgeted): " + ", ".join(f"{spec} {sum(new.values())}" for spec, (_, new) in by_spec.items()) + "."
     )
-    columns = [f"{layout.replace('_', ' ')}, items {items}" for layout in LONG_LAYOUTS for items in ("0-7", "8-19")]
+    columns = [f"{layout.replace('_', ' ')}, items {items}" for layout in LAYOUTS for items in ("0-7", "8-19")]
     head = ["method", *columns, "items 8-19", "items 0-19"]
     return _block(claim, _table(head, rows), _table(["A vs B", *PAIRED_HEAD], comparisons))
 
