@@ -569,7 +569,7 @@ REGIMES_LONG = Tuning(  # the policies calibrated in several regimes (21 and 45 
     tuple(
         f"results/dev_v3/bfcl_dev_long2k_{policies}_{layout}.json"
         for policies in ("regimes", "regimes48")
-        for layout in ("question_last", "question_first")
+        for layout in LAYOUTS
     ),
     0.2,
 )
@@ -577,18 +577,16 @@ REGIMES_SHORT = tuple(  # the same policies on BFCL's own dev prompts
     f"results/dev_v3/bfcl_dev_short_{policies}.json" for policies in ("regimes", "regimes48")
 )
 QUERIES_LONG = Tuning(  # PASK's query-aware order reading the pseudo queries, the observation window or both
-    tuple(f"results/dev_v4/bfcl_dev_long2k_queries_{layout}.json" for layout in ("question_last", "question_first")),
+    tuple(f"results/dev_v4/bfcl_dev_long2k_queries_{layout}.json" for layout in LAYOUTS),
     0.2,
 )
 WINDOW_TUNING = Tuning(V2_TUNING.files, 0.2, pask_from=QUERIES_LONG)  # the baselines of PASK v2's long sample
 LONG_V3 = {  # the fresh sample of pask:window (items 110-119): layout -> results file
-    layout: f"results/long_v3/bfcl_long2k_v3_{layout}.json" for layout in ("question_last", "question_first")
+    layout: f"results/long_v3/bfcl_long2k_v3_{layout}.json" for layout in LAYOUTS
 }
 QUERIES_SHORT = ("results/dev_v4/bfcl_dev_short_queries.json",)  # the same variants on BFCL's own dev prompts
 WHOLE_TOOLS_LONG = Tuning(  # PASK's default against its whole-tool order on the long dev prompts
-    tuple(
-        f"results/dev_v5/bfcl_dev_long2k_whole_tools_{layout}.json" for layout in ("question_last", "question_first")
-    ),
+    tuple(f"results/dev_v5/bfcl_dev_long2k_whole_tools_{layout}.json" for layout in LAYOUTS),
     0.2,
 )
 WHOLE_TOOLS_SHORT = ("results/dev_v5/bfcl_dev_short_whole_tools.json",)  # and on BFCL's own dev prompts
@@ -669,18 +667,18 @@ def dev_held_out(
     held_out = [load_json(root, file) for file in held_out_files]
     first = {tuning: tuning.dev_parts(root) for tuning in dict.fromkeys(first_dev.values())}  # a file per layout
 
-    def scored(results: list[dict], spec: str) -> dict[str, bool]:  # item@layout -> correct
+    def scored(results: list[dict], spec: str) -> dict[tuple[str, str], bool]:  # (item id, layout) -> correct
         b = 1.0 if spec == "full" else budget
-        return {f"{i}@{r['config']['layout']}": ok for r in results for i, ok in outcomes(r, spec, b).items()}
+        return {(i, r["config"]["layout"]): ok for r in results for i, ok in outcomes(r, spec, b).items()}
 
     by_spec = {spec: (scored(first[tuning], spec), scored(held_out, spec)) for spec, tuning in first_dev.items()}
     for spec, (seen, new) in by_spec.items():
-        if any(bfcl.part_of(key.split("@")[0]) != "dev" for key in new) or set(seen) & set(new):
+        if any(bfcl.part_of(item) != "dev" for item, _ in new) or set(seen) & set(new):
             raise ReportError(f"{spec}: the held-out items must be dev items the first dev files did not score")
     rows = []
     for spec, (seen, new) in by_spec.items():
         cells = [
-            f"{sum(ok for key, ok in part.items() if key.endswith(layout))}/{sum(k.endswith(layout) for k in part)}"
+            f"{sum(ok for (_, of), ok in part.items() if of == layout)}/{sum(of == layout for _, of in part)}"
             for layout in LAYOUTS
             for part in (seen, new)
         ]
@@ -1768,7 +1766,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
         f"long_prompts_2k_fresh_{layout}": functools.partial(
             long_prompts, file=f"results/bfcl_long2k_fresh_{layout}.json", tuning=LONG_TUNING
         )
-        for layout in ("question_last", "question_first")
+        for layout in LAYOUTS
     },
     "dev_tuning_v2_long2k": functools.partial(dev_tuning, tuning=V2_TUNING),
     "dev_query_floors_long2k": functools.partial(dev_tuning, tuning=QUERY_FLOORS_LONG),
