@@ -925,7 +925,7 @@ DEFAULT_PASK_SAMPLES = (  # the default PASK's frozen evaluation samples
     FrozenSample("0.5B", "2k tokens, question first", LONG_V2["2k_v2_question_first"], V2_TUNING),
     FrozenSample("0.5B", "4k tokens, question last", LONG_V2["4k_v2_question_last"], V2_TUNING),
     FrozenSample("0.5B", "4k tokens, question first", LONG_V2["4k_v2_question_first"], V2_TUNING),
-    FrozenSample("1.5B", "BFCL's own (under 800 tokens)", SHORT_1_5B, DEV_1_5B),
+    FrozenSample("1.5B", "BFCL's own (under 3k tokens)", SHORT_1_5B, DEV_1_5B),
     FrozenSample("1.5B", "2k tokens, question last", LONG_V2["2k_v2_1_5b_question_last"], V2_TUNING),
     FrozenSample("1.5B", "2k tokens, question first", LONG_V2["2k_v2_1_5b_question_first"], V2_TUNING),
 )
