@@ -1787,7 +1787,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
         f"short_prompts_v2{part}": functools.partial(
             long_prompts, file=f"results/short_v2/bfcl_short_v2{part}.json", tuning=SHORT_V2_TUNING
         )
-        for part in ("", "_items0_24", "_pooled")
+        for part in ("", "_items0_24", "_pooled", "_items85_109", "_pooled_all")
     },
     **{
         f"long_prompts_{name}": functools.partial(long_prompts, file=file, tuning=V2_TUNING)
