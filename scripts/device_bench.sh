@@ -49,7 +49,7 @@ gpu_backend || { echo "jax sees no GPU" >&2; exit 1; }
 
 echo "== GPU kernel parity tests, compiled"
 tests_rc=0 # on failure, still benchmark (the JSON records the kernel's error), then exit non-zero
-PASK_GPU_KERNEL_COMPILED=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 |
+PASK_GPU_KERNEL_COMPILED=1 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gpu.py 2>&1 |
     tee "$OUT/pytest_gpu.log" || tests_rc=$?
 
 echo "== kernel micro-benchmark"

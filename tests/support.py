@@ -1,6 +1,6 @@
 """Plain helpers the test modules share (fixtures live in conftest.py): tiny random models, synthetic calibration
-statistics, and the method matrix of tests/test_methods.py (its prompts, cases and memoized engines), which
-tests/test_sharding.py runs on device meshes."""
+statistics, and the method matrix of tests/methods/test_methods.py (its prompts, cases and memoized engines), which
+tests/models/test_sharding.py runs on device meshes."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ NEW = 20
 BUCKETS = (16, 64)
 ROLES = [[Role.SINK] + [Role.DESCRIPTION if i % 3 else Role.USER_TEXT for i in range(1, len(p))] for p in PROMPTS]
 BUDGET = 0.4  # every compressed invariant runs at this budget: one compiled plan per case besides budget 1
-BUDGETS = (0.3, 0.4, 0.5, 1.0)  # the synthetic policy's tables (tests/test_sharding.py runs PASK at 0.33)
+BUDGETS = (0.3, 0.4, 0.5, 1.0)  # the synthetic policy's tables (tests/models/test_sharding.py runs PASK at 0.33)
 SYNTHETIC_POLICY = compile_policy(synthetic_stats(num_layers=4, groups=2), list(BUDGETS))
 
 # A case is a method instance built for the budget it runs at (PASK's policy tables are per budget), so variants of

@@ -1,6 +1,6 @@
 """The package's layout rules: the library never reaches into the experiments (nor names BFCL, which only the
-experiments know), modules import one way (no cycle, function-level imports included), and the results tools stay
-out of the wheel's package."""
+experiments know), modules import one way (no cycle, function-level imports included), the results tools stay
+out of the wheel's package, and the tests lie in folders named like the package's parts."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pask_jax"
 EXPERIMENTS = PACKAGE / "experiments"
+TESTS = Path(__file__).resolve().parent
+# Test folders not named after a pask_jax module or subpackage: "api" holds the front doors' tests (llm, requests,
+# batch, cli, the wheel, multi-host runs); "runtime" names pask_jax/runtime/ (engine, decode loop, scheduler, cache),
+# listed here while that package is being split out of the top-level modules. "data" holds fixtures, no tests.
+OTHER_TEST_FOLDERS = {"api", "runtime", "data"}
 LIBRARY_ENTRY = {"pask_jax.cli"}  # the command line registers the experiments' subcommands: the top of the order
 
 
@@ -88,3 +93,13 @@ def test_no_import_cycles():
 def test_the_results_tools_are_not_in_the_package():
     assert not (PACKAGE / "report.py").exists()
     assert (PACKAGE.parent / "tools" / "report.py").exists()
+
+
+def test_tests_mirror_the_package():
+    """Every test file lies in a folder named like the part of pask_jax it tests; only this file stays at the top."""
+    stray = sorted(p.name for p in TESTS.glob("test_*.py") if p.name != Path(__file__).name)
+    assert not stray, f"test files at tests/ top (move each into the folder of what it tests): {stray}"
+    package_names = {p.stem for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    unknown = sorted(folders - package_names - OTHER_TEST_FOLDERS)
+    assert not unknown, f"test folders named after no pask_jax module (nor in OTHER_TEST_FOLDERS): {unknown}"

@@ -35,8 +35,8 @@ single call object is unaffected (nothing follows its closing brace), repeated c
 (``<|endoftext|>`` for Qwen); (2) a parallel ``tool_call`` regex holds one block followed by ``\\n`` *or* the end of
 turn, and the host restarts the guide after ``\\n`` (``Guide.reset``): exact, since the next symbol is the atomic
 ``<tool_call>`` token, and it builds the call automaton once (outlines-core does not minimise its DFA, so
-``call(\\ncall)*`` has twice the states and compile time). ``tests/test_grammar.py`` keeps a strict-xfail test of the
-raw defect, which fails (XPASS) once a fixed release is installed.
+``call(\\ncall)*`` has twice the states and compile time). ``tests/structure/test_grammar.py`` keeps a strict-xfail
+test of the raw defect, which fails (XPASS) once a fixed release is installed.
 """
 
 from __future__ import annotations

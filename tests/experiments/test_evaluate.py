@@ -131,7 +131,7 @@ def test_prompt_framings_for_parallel_calls():
     from pask_jax.models.chat_template import ChatTemplate
 
     template = ChatTemplate(
-        (Path(__file__).parent / "data" / "qwen2.5_instruct.jinja").read_text(), eos_token="<|im_end|>"
+        (Path(__file__).parents[1] / "data" / "qwen2.5_instruct.jinja").read_text(), eos_token="<|im_end|>"
     )
     builder = RequestBuilder(qwen_tokenizer(), template)
     item = bfcl.dev_sample("parallel", 0, 1)[0]

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
-# tests/ is on sys.path (pytest's rootdir import)
+# this folder is on sys.path (pytest's prepend import mode)
 from test_kernels_tpu import TOL, assert_close, make_case
 
 import pask_jax.cache

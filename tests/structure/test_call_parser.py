@@ -15,8 +15,8 @@ from pask_jax.requests import parse_request
 from pask_jax.structure.call_parser import parse_text_calls, split_grammar_calls
 from pask_jax.structure.schema import parse_tools
 
-DATA = Path(__file__).parent / "data"
-AUTO_REQUESTS = Path(__file__).parents[1] / "examples" / "auto_requests.jsonl"
+DATA = Path(__file__).parents[1] / "data"
+AUTO_REQUESTS = Path(__file__).parents[2] / "examples" / "auto_requests.jsonl"
 WEATHER = {
     "type": "function",
     "function": {

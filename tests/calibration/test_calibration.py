@@ -307,7 +307,7 @@ def test_sharded_over_8_devices_matches_single_device():
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=Path(__file__).parent.parent,
+        cwd=Path(__file__).parents[2],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sharded = CalibrationStats.from_json(proc.stdout.split("STATS", 1)[1])

@@ -18,7 +18,7 @@ from pask_jax.experiments.bench import decode, machine, serving, workloads
 from pask_jax.memory import rows_fitting
 from pask_jax.structure.roles import Role
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARGS = [
     "--model", "tiny",
     "--methods", "full,pask,snapkv",
@@ -376,7 +376,7 @@ def test_entrypoints_bench_runs_both_paths_on_the_same_items(tiny_qwen_vocab, qw
     from pask_jax.llm import LLM
     from pask_jax.models.chat_template import ChatTemplate
 
-    template = ChatTemplate((Path(__file__).parent / "data" / "qwen2.5_instruct.jinja").read_text(), "<|im_end|>")
+    template = ChatTemplate((Path(__file__).parents[1] / "data" / "qwen2.5_instruct.jinja").read_text(), "<|im_end|>")
     llm = LLM(tiny_qwen_vocab, method="full", tokenizer=qwen_tok, chat_template=template, policy=None, max_batch=4)
     cfg = EvalConfig(categories=("simple_python",), limit=2, split="dev", max_new_tokens=6, batch_size=4)
     result = compare_entrypoints(llm, cfg, repeats=1)

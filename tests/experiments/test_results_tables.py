@@ -21,7 +21,7 @@ from tools.report import (
     stale_tables,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs" / "results").glob("*.md"))]
 ARCHIVE = REPO / "docs" / "results" / "archive.md"
 needs_bfcl_data = pytest.mark.skipif(

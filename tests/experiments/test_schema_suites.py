@@ -32,7 +32,7 @@ from pask_jax.experiments.bench.schema_suites import (
 from pask_jax.experiments.bench.schemas import explain_under, judge_all, refusal_keyword
 from pask_jax.structure.schema import NUMERIC_BOUNDS
 
-SUITES = Path(__file__).parent / "data" / "schema_suites"
+SUITES = Path(__file__).parents[1] / "data" / "schema_suites"
 # Per schema: the pinned subset holds one schema whose automaton takes over a minute (Github_easy---o9842: a
 # 255-character pattern and maxLength inside maxItems 100); it times out and is reported, not failed.
 TIMEOUT_S = 15.0

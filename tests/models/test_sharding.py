@@ -62,7 +62,7 @@ CONTINUOUS_LIMITS = (NEW, 2, 9, 1, 14, 5, NEW, 3, 7, 11)
 
 
 def method(name: str) -> KVMethod:
-    """The CASES of tests/test_methods.py at BUDGET; "pask_policy" under a policy compiled for BUDGET."""
+    """The CASES of tests/methods/test_methods.py at BUDGET; "pask_policy" under a policy compiled for BUDGET."""
     return PaskKV.from_policy(POLICY, BUDGET) if name == "pask_policy" else CASES[name.removesuffix("_kernel")](BUDGET)
 
 
@@ -160,10 +160,11 @@ def sharded() -> dict:
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
     # XLA without most optimization passes (a third less compile time): every comparison is between runs compiled so
     env = os.environ | {"XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
-    here = Path(__file__).parent
-    script = f"import sys; sys.path.insert(0, {str(here)!r}); import test_sharding; test_sharding.worker()"
+    here = Path(__file__).parent  # test_sharding's folder, and tests/ above it (support)
+    path = [str(here), str(here.parent)]
+    script = f"import sys; sys.path[:0] = {path!r}; import test_sharding; test_sharding.worker()"
     proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1500, cwd=here.parent
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1500, cwd=here.parents[1]
     )
     assert proc.returncode == 0 and MARK in proc.stdout, proc.stderr[-4000:]
     return json.loads(proc.stdout.split(MARK, 1)[1])

@@ -20,7 +20,7 @@ from pask_jax.requests import RequestBuilder, parse_request
 from pask_jax.structure import GrammarConstraint, Role
 from pask_jax.structure.roles import NO_TOOL
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 WEATHER = {
     "name": "get_weather",
     "description": "Current weather of a city.",

@@ -31,7 +31,7 @@ from pask_jax.policy import (
 from pask_jax.policy_compiler import CalibrationStats, compile_table, pooled_stats
 from pask_jax.structure.roles import Role, num_roles
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 R, G = num_roles(), 2
 SHIPPED = SHIPPED_POLICIES / "qwen2.5-coder-0.5b"
 SHIPPED_STATS = REPO / "results" / "calibration_qwen2.5-coder-0.5b_schema36.json"  # what the shipped tables came from

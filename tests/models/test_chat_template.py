@@ -152,7 +152,7 @@ def test_only_system_and_user_roles():
         format_tool_prompt([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], [])
 
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 WEATHER_TOOL = {
     "type": "function",

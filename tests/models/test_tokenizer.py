@@ -31,7 +31,7 @@ from pask_jax.models.tokenizer import (
     read_gguf_metadata,
 )
 
-SAMPLES = json.loads((Path(__file__).parent / "data" / "qwen_tokenizer_samples.json").read_text("utf-8"))["samples"]
+SAMPLES = json.loads((Path(__file__).parents[1] / "data" / "qwen_tokenizer_samples.json").read_text("utf-8"))["samples"]
 QWEN_GGUF = cache_dir() / "models" / "qwen2.5-coder-0.5b.gguf"
 SMOLLM_GGUF = cache_dir() / "models" / "smollm2-135m.gguf"
 needs_qwen_gguf = pytest.mark.skipif(not QWEN_GGUF.is_file(), reason=f"real Qwen2.5 GGUF not at {QWEN_GGUF}")

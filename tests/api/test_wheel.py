@@ -9,7 +9,7 @@ import textwrap
 import venv
 from pathlib import Path
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 
 GENERATE = textwrap.dedent(
     """

@@ -2,9 +2,9 @@
 feature accepted and refused by the grammar.
 
 Feature tests walk handwritten calls through the function's regex over a restricted vocabulary (``small_grammar``
-of tests/test_grammar.py: exact for acceptance); the arguments a grammar accepts are validated with ``jsonschema``
-against the schema as the user wrote it, and those it refuses are invalid there too (unless the test says the
-grammar narrows the schema). One end-to-end test compiles a user tool over the full vocabulary.
+of tests/structure/test_grammar.py: exact for acceptance); the arguments a grammar accepts are validated with
+``jsonschema`` against the schema as the user wrote it, and those it refuses are invalid there too (unless the test
+says the grammar narrows the schema). One end-to-end test compiles a user tool over the full vocabulary.
 """
 
 from __future__ import annotations

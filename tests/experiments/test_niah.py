@@ -21,8 +21,8 @@ from pask_jax.policy import PersistencePolicy
 from pask_jax.requests import RequestBuilder
 from pask_jax.structure import Role
 
-DATA = Path(__file__).parent / "data"
-ROOT = Path(__file__).parent.parent
+DATA = Path(__file__).parents[1] / "data"
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")

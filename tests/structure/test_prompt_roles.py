@@ -1,8 +1,8 @@
 """Prompt-token roles from character offsets of a rendered prompt: BFCL's fixed prompt and checkpoint templates.
 
-The templates are those of tests/data (see tests/test_chat_template.py). BFCL's labels are pinned twice: a hand-checked
-golden sequence, and digests of the token roles the earlier tools-block lexer gave the first items of every category
-(tests/data/bfcl_prompt_roles_digests.json), which committed results depend on.
+The templates are those of tests/data (see tests/models/test_chat_template.py). BFCL's labels are pinned twice: a
+hand-checked golden sequence, and digests of the token roles the earlier tools-block lexer gave the first items of
+every category (tests/data/bfcl_prompt_roles_digests.json), which committed results depend on.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pask_jax.models.tokenizer import qwen_tokenizer
 from pask_jax.structure.prompt_roles import label_prompt, prompt_roles
 from pask_jax.structure.roles import Role
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 WEATHER = {
     "name": "get_weather",
     "description": "Current weather.",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_calibrate_data import write_model_dir
+from tiny_checkpoint import write_model_dir
 
 from pask_jax.checkpoint import Checkpoint
 from pask_jax.llm import LLM

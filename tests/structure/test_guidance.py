@@ -145,7 +145,7 @@ def test_a_schema_llguidance_cannot_compile_names_the_tool(qwen_tok):
 
 def test_llm_answers_under_either_backend(tiny_qwen_vocab, qwen_tok):
     template = ChatTemplate(
-        (Path(__file__).parent / "data" / "qwen2.5_instruct.jinja").read_text(), eos_token="<|im_end|>"
+        (Path(__file__).parents[1] / "data" / "qwen2.5_instruct.jinja").read_text(), eos_token="<|im_end|>"
     )
     tools = [{"type": "function", "function": f} for f in (BOOKING, WEATHER)]
     body = {"messages": [{"role": "user", "content": "Book a seat"}], "temperature": 0, "max_tokens": 48}

@@ -1,7 +1,7 @@
 """`pask-jax run`'s batch runner: formats in and out, error records per bad line, resume without loss or repeats.
 
 The mechanics run against a counting stand-in for `LLM` (prepare / generate), so every path is fast; the
-real-model path is covered in tests/test_llm.py.
+real-model path is covered in tests/api/test_llm.py.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.policy import PolicyError
 from pask_jax.requests import RequestError
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
 WEATHER = {
     "type": "function",

@@ -1,5 +1,5 @@
 """Continuous batching on a tiny model: stop tokens, the grammar-free overlap switch, compiles, memory-sized rows,
-bad requests. (Token identity with static batching for every method: tests/test_methods.py.)"""
+bad requests. (Token identity with static batching for every method: tests/methods/test_methods.py.)"""
 
 from __future__ import annotations
 

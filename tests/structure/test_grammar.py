@@ -39,7 +39,7 @@ from pask_jax.structure.regex import FRAMINGS, json_regex
 from pask_jax.structure.roles import Role
 from pask_jax.structure.schema import JSON_OBJECT, enforced_schema
 
-DIGESTS = Path(__file__).parent / "data" / "bfcl_grammar_regex_digests.json"
+DIGESTS = Path(__file__).parents[1] / "data" / "bfcl_grammar_regex_digests.json"
 FACTORIAL = {
     "name": "math.factorial",
     "description": "Calculate the factorial of a number.",

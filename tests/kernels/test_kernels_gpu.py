@@ -2,7 +2,7 @@
 
 On CPU the kernel runs with ``interpret=True``. On a GPU, ``PASK_GPU_KERNEL_COMPILED=1`` runs it compiled (Triton)::
 
-    PASK_GPU_KERNEL_COMPILED=1 python -m pytest tests/test_kernels_gpu.py
+    PASK_GPU_KERNEL_COMPILED=1 python -m pytest tests/kernels/test_kernels_gpu.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax import export
 
-# tests/ is on sys.path (pytest's rootdir import)
+# this folder is on sys.path (pytest's prepend import mode)
 from test_kernels_tpu import TOL, assert_close, make_case, poison_unkept_slots
 
 from pask_jax.kernels.gpu import gather_attention_gpu_kernel, padded_group_size, validate_gpu_inputs

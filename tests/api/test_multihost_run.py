@@ -23,8 +23,8 @@ from test_batch import CountingLLM, _line, _records, _write
 
 from pask_jax.batch import process_output_path, run_batch
 
-DATA = Path(__file__).parent / "data"
-ROOT = Path(__file__).parent.parent
+DATA = Path(__file__).parents[1] / "data"
+ROOT = Path(__file__).parents[2]
 
 
 def test_processes_split_the_lines_by_index_and_together_write_what_one_process_writes(tmp_path: Path):
