@@ -9,7 +9,6 @@ Public entry points (imported on first use, so `pask-jax fetch-model` and `--hel
 - `load_tokenizer(path_or_name)`: the matching tokenizer (or "qwen": the Qwen2/2.5/3 tokenizer built offline).
 - `Engine`: batched prefill + jitted decode over a ragged, budget-sized KV cache; `make_engine` builds one from a
   method name, budget and policy together.
-- `generate_shared(engines, prompts)`: several engines over one model share the prompt forward (method sweeps).
 """
 
 from __future__ import annotations
@@ -22,29 +21,28 @@ _EXPORTS = {
     "LLM": "pask_jax.llm",
     "Checkpoint": "pask_jax.checkpoint",
     "make_engine": "pask_jax.factory",
-    "Engine": "pask_jax.engine",
-    "Generation": "pask_jax.engine",
-    "SamplingConfig": "pask_jax.engine",
-    "generate_shared": "pask_jax.engine",
+    "Engine": "pask_jax.runtime",
+    "Generation": "pask_jax.runtime",
+    "SamplingConfig": "pask_jax.runtime",
     "MODELS": "pask_jax.models.fetch",
     "fetch_model": "pask_jax.models.fetch",
     "resolve_model_path": "pask_jax.models.fetch",
     "load_model": "pask_jax.models.loading",
-    "PRESETS": "pask_jax.models.qwen3",
-    "ModelConfig": "pask_jax.models.qwen3",
-    "Qwen3": "pask_jax.models.qwen3",
+    "PRESETS": "pask_jax.models.decoder",
+    "ModelConfig": "pask_jax.models.decoder",
+    "Decoder": "pask_jax.models.decoder",
     "Tokenizer": "pask_jax.models.tokenizer",
 }
 
 if TYPE_CHECKING:
     from pask_jax.checkpoint import Checkpoint
-    from pask_jax.engine import Engine, Generation, SamplingConfig, generate_shared
     from pask_jax.factory import make_engine
     from pask_jax.llm import LLM
+    from pask_jax.models.decoder import PRESETS, Decoder, ModelConfig
     from pask_jax.models.fetch import MODELS, fetch_model, resolve_model_path
     from pask_jax.models.loading import load_model
-    from pask_jax.models.qwen3 import PRESETS, ModelConfig, Qwen3
     from pask_jax.models.tokenizer import Tokenizer
+    from pask_jax.runtime import Engine, Generation, SamplingConfig
 
 
 def __getattr__(name: str):
@@ -68,14 +66,13 @@ __all__ = [
     "Checkpoint",
     "MODELS",
     "PRESETS",
+    "Decoder",
     "Engine",
     "Generation",
     "ModelConfig",
-    "Qwen3",
     "SamplingConfig",
     "Tokenizer",
     "fetch_model",
-    "generate_shared",
     "load_model",
     "load_tokenizer",
     "make_engine",

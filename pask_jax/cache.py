@@ -9,7 +9,8 @@ never depend on data. Which slots are live is ragged per (layer, sequence, KV he
   slot with the last live one. Both are O(1) and static-shape, and `table` / `length` are exactly
   the index table the Pallas gather-attention kernel reads.
 - `pos` holds each slot's original token position (-1 when free), so the XLA path can attend over
-  the whole pool with a mask instead of gathering, and methods can reason about recency.
+  the whole pool with a mask instead of gathering, and methods can reason about recency. (Attention over the
+  pool lives in `pask_jax.attention`.)
 - `role` holds each entry's structural role id (prompt or generated), for structure-aware methods.
 - `tool` holds, for a prompt entry inside an offered tool's definition, that tool's index (-1 otherwise), so a
   method can let the tools not called go once the parser knows the called one.
@@ -26,43 +27,11 @@ every array out by them while a mesh is active, and the Pallas kernel then runs 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-
-from pask_jax.kernels import gather_attention, masked_softmax
-
-
-def pool_attention_probs(
-    q: jax.Array,  # f[B, K, G, H]
-    k: jax.Array,  # f[B, K, C, H]
-    live: jax.Array,  # bool[B, K, C]
-) -> jax.Array:  # f32[B, K, G, C], zeros on free slots
-    logits = jnp.einsum("BKGH,BKCH->BKGC", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
-    return masked_softmax(logits, live[:, :, None])
-
-
-def pool_attention(
-    q: jax.Array,  # f[B, K, G, H]
-    k: jax.Array,  # f[B, K, C, H]
-    v: jax.Array,  # f[B, K, C, H]
-    live: jax.Array,  # bool[B, K, C]
-) -> jax.Array:  # f[B, K, G, H]; zeros where no slot is live
-    probs = pool_attention_probs(q, k, live)
-    return jnp.einsum("BKGC,BKCH->BKGH", probs.astype(v.dtype), v).astype(q.dtype)
-
-
-def per_row_shards(fn: Callable, axes: tuple[str | None, str | None]) -> Callable:
-    """`fn` over arrays whose leading dimensions are [B, K] (sequence, KV head), each row independent: on an active
-    mesh run per shard (`jax.shard_map` over `axes`, so nothing is gathered); otherwise `fn` itself."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return fn
-    spec = P(*axes)
-    return jax.shard_map(fn, in_specs=spec, out_specs=spec, check_vma=False)
 
 
 def _set_slots(
@@ -253,31 +222,6 @@ class GroupCache:
             **{name: put(getattr(self, name), getattr(other, name)) for name in fields},
             overflow=self.overflow | other.overflow,
         ).constrain()
-
-    def attend(self, layer: int, q: jax.Array, use_kernel: bool = False) -> jax.Array:
-        """Decode attention of q (f[B, N, H], RoPE applied) to the live slots of one layer -> f[B, N, H].
-
-        `use_kernel`: the Pallas kernel of `jax.default_backend()` through `pask_jax.kernels.gather_attention` (on
-        CPU the TPU kernel, interpreted); otherwise XLA attention over the whole pool.
-        For methods that need the attention weights (H2O), use `pool_attention_probs` on the XLA path.
-        """
-        b, n, h = q.shape
-        kv_heads = self.k.shape[2]
-        qg = q.reshape(b, kv_heads, n // kv_heads, h)  # [B, K, G, H]
-        if use_kernel:  # Pallas: the backend's kernel gathers the live slots named by the table
-            kernel = per_row_shards(functools.partial(gather_attention, use_kernel=True), self.axes)
-            out = kernel(qg, self.k[layer], self.v[layer], self.table[layer], self.length[layer])
-        else:  # XLA: attend over the whole pool with the live mask, no gather
-            out = pool_attention(qg, self.k[layer], self.v[layer], self.pos[layer] >= 0)
-        return out.reshape(b, n, h)
-
-    def attend_probs(self, layer: int, q: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """XLA-path decode attention that also returns the weights: f[B, N, H], f32[B, K, G, C]."""
-        b, n, h = q.shape
-        kv_heads = self.k.shape[2]
-        probs = pool_attention_probs(q.reshape(b, kv_heads, n // kv_heads, h), self.k[layer], self.pos[layer] >= 0)
-        out = jnp.einsum("BKGC,BKCH->BKGH", probs.astype(self.v.dtype), self.v[layer]).astype(q.dtype)
-        return out.reshape(b, n, h), probs
 
     def nbytes(self) -> int:
         return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))

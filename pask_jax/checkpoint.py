@@ -16,9 +16,9 @@ from pathlib import Path
 from jax.sharding import Mesh
 
 from pask_jax.models.chat_template import ChatTemplate, load_chat_template
+from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.models.fetch import resolve_model_path
 from pask_jax.models.loading import load_config, load_model, resolve_dtype
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.models.tokenizer import Tokenizer, load_tokenizer_from_path
 from pask_jax.policy import ModelFingerprint
 
@@ -50,7 +50,7 @@ class Checkpoint:
     def fingerprint(self) -> ModelFingerprint:
         return ModelFingerprint.of(self.config, self.tokenizer)
 
-    def weights(self, dtype=None, mesh: Mesh | None = None) -> Qwen3:
+    def weights(self, dtype=None, mesh: Mesh | None = None) -> Decoder:
         """The model with its weights in `dtype` (None / "auto": bfloat16 on TPU / GPU, float32 on CPU), on `mesh`
         when given (each call loads afresh)."""
         return load_model(self.name, resolve_dtype(dtype), mesh=mesh)

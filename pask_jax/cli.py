@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         "--prefill-chunk",
         type=int_at_least(1),
         help="prompts longer than this many tokens are prefilled in equal chunks of at most this many (default: "
-        "pask_jax.engine.PREFILL_CHUNK, 2048): prefill memory follows the chunk, not the prompt",
+        "pask_jax.runtime.PREFILL_CHUNK, 2048): prefill memory follows the chunk, not the prompt",
     )
     p.add_argument(
         "--grammar-backend",

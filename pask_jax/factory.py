@@ -12,10 +12,11 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh
 
-from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, PREFILL_CHUNK, Engine
 from pask_jax.methods import METHODS, make_method
-from pask_jax.models.qwen3 import Qwen3
+from pask_jax.models.decoder import Decoder
 from pask_jax.policy import PersistencePolicy
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.shapes import DEFAULT_LENGTH_BUCKETS, PREFILL_CHUNK
 
 DEFAULT_GROUPS = 4
 
@@ -52,7 +53,7 @@ def resolve_spec(
 
 
 def make_engine(
-    model: Qwen3,
+    model: Decoder,
     method: str = "full",
     budget: float = 1.0,
     *,

@@ -36,17 +36,20 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pask_jax.checkpoint import Checkpoint
-from pask_jax.engine import PREFILL_CHUNK, Engine, Generation, SamplingConfig
 from pask_jax.factory import make_engine
 from pask_jax.methods import METHODS
 from pask_jax.models.chat_template import ChatTemplate
+from pask_jax.models.decoder import Decoder
 from pask_jax.models.loading import cast_model, resolve_dtype
-from pask_jax.models.qwen3 import Qwen3
 from pask_jax.models.sharding import check_mesh
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
 from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError
-from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.rows import Generation
+from pask_jax.runtime.sampling import SamplingConfig
+from pask_jax.runtime.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
+from pask_jax.runtime.shapes import PREFILL_CHUNK
 from pask_jax.structure import FreeTextConstraint, GrammarConstraint, TokenConstraint
 from pask_jax.structure.call_parser import parse_text_calls, split_grammar_calls
 from pask_jax.structure.guidance import GuidanceConstraint, GuidanceGrammar
@@ -61,7 +64,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path | Qwen3 = DEFAULT_MODEL,
+        model: str | Path | Decoder = DEFAULT_MODEL,
         *,
         method: str = "pask",
         budget: float = 0.33,
@@ -95,7 +98,7 @@ class LLM:
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"budget={budget} must be in (0, 1]")
         self.mesh = None if mesh is None else check_mesh(mesh)
-        if isinstance(model, Qwen3):
+        if isinstance(model, Decoder):
             if tokenizer is None:
                 raise ValueError("LLM(model=<a Qwen3 instance>) needs tokenizer=")
             model = model if dtype is None else cast_model(model, dtype)
@@ -124,7 +127,7 @@ class LLM:
         self._engine: Engine | None = None
 
     @property
-    def model(self) -> Qwen3:
+    def model(self) -> Decoder:
         """The model, its weights loaded on first use."""
         if self._model is None:
             self._model = self.checkpoint.weights(self.dtype, mesh=self.mesh)

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pask_jax.cache import GroupCache
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.models.sharding import DATA, MODEL, ShardingError, cache_axes, param_specs
 
 
@@ -32,7 +32,7 @@ def bytes_per_device(tree, specs, mesh_shape: Mapping[str, int]) -> int:
 
 def param_bytes_per_device(cfg: ModelConfig, dtype, data: int = 1, model: int = 1) -> int:
     """Parameter bytes per device of a model of `cfg` in `dtype` on a data x model mesh (from the table alone)."""
-    abstract = nnx.state(nnx.eval_shape(lambda: Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+    abstract = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
     mesh_shape = {DATA: data, MODEL: model}
     return bytes_per_device(abstract, param_specs(abstract, mesh_shape), mesh_shape)
 

@@ -63,10 +63,10 @@ timeout "${SHARDED_TIMEOUT:-150}" "$PY" - "$OUT/sharded_$("$PY" -c 'import jax; 
 import json, sys
 import jax, jax.numpy as jnp
 from flax import nnx
-from pask_jax.engine import SamplingConfig
+from pask_jax.runtime.sampling import SamplingConfig
 from pask_jax.factory import make_engine
 from pask_jax.models.loading import cast_model
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.decoder import ModelConfig, Qwen3
 from pask_jax.models.sharding import make_mesh, param_bytes_per_device
 
 jax.config.update("jax_default_matmul_precision", "highest")  # no TF32: float32 sums alike on every layout

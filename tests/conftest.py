@@ -17,7 +17,7 @@ from support import (  # noqa: F401  (re-exported: modules import these helpers 
     tiny_model,
 )
 
-from pask_jax.models.qwen3 import Qwen3
+from pask_jax.models.decoder import Decoder
 
 # The CLI keeps compiled executables on disk; tests must not write them into the user's cache.
 os.environ["PASK_JAX_XLA_CACHE"] = "off"
@@ -52,7 +52,7 @@ def qwen_tok():
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen_vocab() -> Qwen3:
+def tiny_qwen_vocab() -> Decoder:
     """A tiny random Qwen2-family model with the real Qwen vocabulary size, for grammar-constrained runs."""
     return tiny_model("qwen2", vocab_size=QWEN_VOCAB, hidden_size=32, intermediate_size=64)
 

@@ -12,18 +12,20 @@ import numpy as np
 from flax import nnx
 
 from pask_jax.calibration.compiler import compile_policy
-from pask_jax.engine import Engine, Generation, SamplingConfig
 from pask_jax.methods import METHODS, DapQ, KVMethod, PaskKV, PyramidKV, SnapKV
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.decoder import Decoder, ModelConfig
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.rows import Generation
+from pask_jax.runtime.sampling import SamplingConfig
 from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
 
 QWEN_VOCAB = 151_936  # the Qwen2.5 checkpoints' embedding rows (the tokenizer's ids fit below it)
 SYNTHETIC_LEVELS = (0.0, 0.25, 0.5, 0.75)
 
 
-def tiny_model(architecture: str = "qwen3", seed: int = 0, **overrides) -> Qwen3:
+def tiny_model(architecture: str = "qwen3", seed: int = 0, **overrides) -> Decoder:
     """A random few-kB model of one of the three families (`ModelConfig.tiny` plus overrides)."""
-    return Qwen3(ModelConfig.tiny(architecture, **overrides), rngs=nnx.Rngs(seed))
+    return Decoder(ModelConfig.tiny(architecture, **overrides), rngs=nnx.Rngs(seed))
 
 
 def synthetic_stats(num_layers: int = 4, groups: int = 2) -> types.SimpleNamespace:
@@ -88,12 +90,12 @@ CASES: dict[str, Callable[[float], KVMethod]] = {
 }
 
 
-def matrix_model() -> Qwen3:
+def matrix_model() -> Decoder:
     """The matrix's model: 4 layers in 2 groups of 2, so a group holds layers of different fractions."""
-    return Qwen3(ModelConfig.tiny("qwen3", num_layers=4, vocab_size=256), rngs=nnx.Rngs(5))
+    return Decoder(ModelConfig.tiny("qwen3", num_layers=4, vocab_size=256), rngs=nnx.Rngs(5))
 
 
-def make(model: Qwen3, case: str, budget: float) -> Engine:
+def make(model: Decoder, case: str, budget: float) -> Engine:
     return Engine(model, method=CASES[case](budget), budget=budget, num_groups=2, length_buckets=BUCKETS)
 
 
@@ -101,7 +103,7 @@ class Matrix:
     """One engine per (case, budget) over one model, and its static generation of PROMPTS (NEW tokens, ROLES), each
     made once: tests of one module share them, and so their compiled steps. Generations are not to be mutated."""
 
-    def __init__(self, model: Qwen3):
+    def __init__(self, model: Decoder):
         self.model = model
         self._engines: dict[tuple[str, float], Engine] = {}
         self._static: dict[tuple[str, float], list[Generation]] = {}

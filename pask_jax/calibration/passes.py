@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pask_jax.engine import unpack_mask
-from pask_jax.models.qwen3 import Qwen3, attention
+from pask_jax.attention import attention
+from pask_jax.models.decoder import Decoder
+from pask_jax.runtime.sampling import unpack_mask
 
 NO_ROLE = -1  # a variant row that removes nothing
 
@@ -78,7 +79,7 @@ def removal_mask(item: ItemArrays, role: jax.Array, level: jax.Array) -> jax.Arr
     return match[:, None] & visible[None] & not_self[None] & (rank >= keep[:, :, None])
 
 
-def prefill(model: Qwen3, item: ItemArrays) -> tuple[jax.Array, jax.Array, jax.Array]:
+def prefill(model: Decoder, item: ItemArrays) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Full causal forward over the prompt -> K f[L, Pb, K, H], V f[L, Pb, K, H], last-position logits f32[Voc]."""
     pb = item.prompt.shape[0]
     positions = jnp.arange(pb, dtype=jnp.int32)[None]  # i32[1, Pb]
@@ -95,7 +96,7 @@ def prefill(model: Qwen3, item: ItemArrays) -> tuple[jax.Array, jax.Array, jax.A
 
 
 def teacher_force(
-    model: Qwen3,
+    model: Decoder,
     plan: PassPlan,
     item: ItemArrays,
     prompt_k: jax.Array,  # f[L, Pb, K, H]

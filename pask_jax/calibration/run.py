@@ -45,11 +45,12 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from pask_jax.calibration.passes import NO_ROLE, ItemArrays, PassPlan, baseline_pass, removed_entries, variant_pass
-from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.layers import layer_groups
-from pask_jax.models.qwen3 import Qwen3
+from pask_jax.models.decoder import Decoder
 from pask_jax.policy_compiler import STATS_ARRAYS, CalibrationStats
 from pask_jax.requests import PreparedRequest
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.sampling import SamplingConfig
 from pask_jax.structure import GrammarConstraint
 from pask_jax.structure.roles import TAXONOMY_VERSION, num_roles
 
@@ -217,7 +218,7 @@ def _checkpoint(directory: str | Path | None, config: dict, state: dict) -> Call
 
 
 def calibrate_examples(
-    model: Qwen3,
+    model: Decoder,
     examples: Sequence[tuple[str, Callable[[], Example]]],  # (item id, builds the example; may raise ValueError)
     *,
     groups: int = 4,
@@ -309,7 +310,7 @@ def calibrate_examples(
 
 
 def calibrate_requests(
-    model: Qwen3, tokenizer, prepared: Sequence[tuple[str, PreparedRequest]], **options
+    model: Decoder, tokenizer, prepared: Sequence[tuple[str, PreparedRequest]], **options
 ) -> CalibrationStats:
     """Calibrate on prepared chat-completions requests ((custom_id, request) pairs, e.g. the calibration part of a
     user's batch file, `pask_jax.calibration.data`) against the model's own full-KV answer under each request's

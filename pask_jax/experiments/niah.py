@@ -51,15 +51,17 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, SamplingConfig, generate_shared
 from pask_jax.experiments.bench.machine import write_json
 from pask_jax.experiments.bfcl.evaluate import EvalConfig, build_engines
+from pask_jax.experiments.sweep import generate_shared
 from pask_jax.factory import resolve_spec
 from pask_jax.methods import METHODS
-from pask_jax.models.qwen3 import Qwen3
+from pask_jax.models.decoder import Decoder
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
 from pask_jax.requests import PreparedRequest, RequestBuilder, parse_request
+from pask_jax.runtime.sampling import SamplingConfig
+from pask_jax.runtime.shapes import DEFAULT_LENGTH_BUCKETS
 from pask_jax.structure import FreeTextConstraint, GrammarConstraint
 
 FORMAT = "pask-niah-v1"
@@ -532,7 +534,7 @@ def _cell(prompt: NiahPrompt, method: str, budget: float, mode: str, gen, tokeni
 
 
 def run_niah(
-    model: Qwen3,
+    model: Decoder,
     tokenizer: Tokenizer,
     prompts: Sequence[NiahPrompt],
     cfg: NiahConfig,

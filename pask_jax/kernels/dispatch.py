@@ -17,9 +17,12 @@ raises the kernel's ValueError.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 
 import pask_jax.kernels.gpu as gpu
 import pask_jax.kernels.reference as reference
@@ -86,3 +89,12 @@ def gather_attention(
     return tpu.gather_attention_kernel(
         q, k_slots, v_slots, slot_table, lengths, block_size=block_size, interpret=interpret, scale=scale
     )
+
+
+def per_row_shards(fn: Callable, axes: tuple[str | None, str | None]) -> Callable:
+    """`fn` over arrays whose leading dimensions are [B, K] (sequence, KV head), each row independent: on an active
+    mesh run per shard (`jax.shard_map` over `axes`, so nothing is gathered); otherwise `fn` itself."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return fn
+    spec = P(*axes)
+    return jax.shard_map(fn, in_specs=spec, out_specs=spec, check_vma=False)

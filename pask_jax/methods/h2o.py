@@ -26,8 +26,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from pask_jax import attention as attention_ops
 from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
-from pask_jax.models import qwen3
 
 
 def accumulated_attention(
@@ -37,14 +37,14 @@ def accumulated_attention(
 
     q f[B, C, N, H]: prompt queries at positions query_start .. query_start + C - 1 (the whole prompt from 0, or a
     chunk of it); k f[B, T, K, H]: the prompt's keys. Summed over a prompt's chunks this is the one-pass value. In
-    blocks of `qwen3.QUERY_CHUNK` queries and keys, two passes per query block: the softmax's running max and
+    blocks of `attention_ops.QUERY_CHUNK` queries and keys, two passes per query block: the softmax's running max and
     denominator over the keys it sees, then its normalised weights summed into their key columns. Key blocks after a
     query block are skipped (causal): about half the logits of the prompt, and never more than one block's
     [B, K, G, c, c] weights at a time.
     """
     b, chunk, n, h = q.shape
     t, kv_heads = k.shape[1], k.shape[2]
-    c = min(qwen3.QUERY_CHUNK, chunk)
+    c = min(attention_ops.QUERY_CHUNK, chunk)
     cp, tp = -(-chunk // c) * c, -(-t // c) * c  # padded to whole blocks; padded keys invisible, queries weigh 0
 
     def pad(x: jax.Array, to: int) -> jax.Array:
@@ -63,7 +63,7 @@ def accumulated_attention(
         visible = (block(query_pos, i, 0)[:, None] >= block(key_pos, j, 0)[None, :])[None] & block(key_valid, j, 1)[
             :, None, :
         ]
-        return qwen3.grouped_logits(block(qt, i, 3), block(kt, j, 2)), visible[:, None, None]
+        return attention_ops.grouped_logits(block(qt, i, 3), block(kt, j, 2)), visible[:, None, None]
 
     def query_block(i: jax.Array, acc: jax.Array) -> jax.Array:
         seen = jnp.minimum((query_start + (i + 1) * c - 1) // c + 1, tp // c)  # key blocks up to the causal edge

@@ -25,8 +25,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from pask_jax.attention import attention_probs
 from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
-from pask_jax.models.qwen3 import attention_probs
 
 POOLINGS = ("max", "avg")
 

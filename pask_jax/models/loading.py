@@ -25,8 +25,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 
+from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.models.fetch import MODELS, resolve_model_path
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.models.sharding import check_mesh, param_spec
 
 SUPPORTED_ARCHITECTURES = {
@@ -57,7 +57,7 @@ def resolve_dtype(dtype: str | jnp.dtype | None = None) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-def cast_model(model: Qwen3, dtype) -> Qwen3:
+def cast_model(model: Decoder, dtype) -> Decoder:
     """A copy of `model` with every parameter in `dtype` (the model itself is unchanged; same dtype: itself)."""
     dtype = resolve_dtype(dtype)
     if model.embed.embedding.dtype == dtype:
@@ -252,12 +252,12 @@ def build_model(
     dtype: jnp.dtype = jnp.float32,
     source: str = "",
     mesh: Mesh | None = None,
-) -> Qwen3:
+) -> Decoder:
     """Fill an uninitialised model (`nnx.eval_shape`: no random init) from (HF name, array) pairs; with a `mesh`,
     every parameter is placed on it with its table sharding."""
     if mesh is not None:
         check_mesh(mesh)
-    model = nnx.eval_shape(lambda: Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     table = hf_key_table(cfg)
     loaded = set()
     for name, array in tensors:
@@ -281,7 +281,7 @@ def build_model(
     return model
 
 
-def load_hf_checkpoint(directory: str | Path, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> Qwen3:
+def load_hf_checkpoint(directory: str | Path, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> Decoder:
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.exists():
@@ -292,7 +292,7 @@ def load_hf_checkpoint(directory: str | Path, dtype: jnp.dtype = jnp.float32, me
 
 def load_gguf(
     path: str | Path, dtype: jnp.dtype = jnp.float32, name: str | None = None, mesh: Mesh | None = None
-) -> Qwen3:
+) -> Decoder:
     path = Path(path)
     reader = gguf.GGUFReader(path)
     cfg = config_from_gguf(reader, name=name or path.stem)
@@ -308,7 +308,7 @@ def load_config(path_or_name: str | Path) -> ModelConfig:
     return config_from_gguf(gguf.GGUFReader(path), name=name or path.stem)
 
 
-def load_model(path_or_name: str | Path, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> Qwen3:
+def load_model(path_or_name: str | Path, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> Decoder:
     """An HF checkpoint directory, a `.gguf` file, a registered name (`qwen2.5-coder-0.5b`) or an HF repo id;
     with a `mesh`, loaded straight onto it."""
     path = resolve_model_path(path_or_name)

@@ -18,7 +18,7 @@ GENERATE = textwrap.dedent(
     import pask_jax
     from pask_jax.factory import make_engine
     from pask_jax.methods import DEFAULT_METHOD_CONFIG, load_method_config
-    from pask_jax.models.qwen3 import ModelConfig, Qwen3
+    from pask_jax.models.decoder import ModelConfig, Qwen3
     from pask_jax.policy import SHIPPED_POLICIES, PersistencePolicy
 
     model = Qwen3(ModelConfig.tiny("qwen2"), rngs=nnx.Rngs(0))

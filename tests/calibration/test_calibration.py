@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pask_jax.attention import attention
 from pask_jax.calibration.passes import (
     NO_ROLE,
     PassPlan,
@@ -29,18 +30,18 @@ from pask_jax.calibration.passes import (
 )
 from pask_jax.calibration.run import CalibrationStats, Example, calibrate_examples, item_arrays, pack_bits
 from pask_jax.layers import layer_groups
-from pask_jax.models.qwen3 import ModelConfig, Qwen3, attention
+from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.structure.roles import GENERATED_ROLES, PROMPT_ROLES, Role, num_roles
 
 LAYERS, GROUPS = 4, 2
 
 
 @functools.cache
-def tiny_model() -> Qwen3:
-    return Qwen3(ModelConfig.tiny(num_layers=LAYERS), rngs=nnx.Rngs(0))
+def tiny_model() -> Decoder:
+    return Decoder(ModelConfig.tiny(num_layers=LAYERS), rngs=nnx.Rngs(0))
 
 
-def jitted(model: Qwen3, fn, *args):
+def jitted(model: Decoder, fn, *args):
     """fn(model, *args) under jax.jit (eager op-by-op execution of the model is slow on CPU)."""
     graphdef, state = nnx.split(model)
     return jax.jit(lambda state, *a: fn(nnx.merge(graphdef, state), *a))(state, *args)
@@ -68,7 +69,7 @@ def synthetic_example(seed: int, prompt_len: int = 23, gold_len: int = 9, vocab:
     )
 
 
-def hand_masked_forward(model: Qwen3, ex: Example, role: int, group: int, level: float) -> np.ndarray:
+def hand_masked_forward(model: Decoder, ex: Example, role: int, group: int, level: float) -> np.ndarray:
     """Full forward over prompt + fed gold with the variant's mask built by hand: logits of the fed rows."""
     tokens = np.concatenate([ex.prompt, ex.gold[:-1]])
     roles = np.concatenate([ex.prompt_roles, ex.gold_roles[:-1]])
@@ -95,7 +96,7 @@ def unpack(bits: np.ndarray, vocab: int) -> np.ndarray:
     return ((bits.view(np.uint32)[:, ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
 
 
-def _plan(model: Qwen3) -> PassPlan:
+def _plan(model: Decoder) -> PassPlan:
     return PassPlan(nnx.graphdef(model), layer_groups(LAYERS, GROUPS))
 
 
@@ -337,7 +338,7 @@ def test_end_to_end_real_bfcl_items():
     assert "거실" in tokenizer.decode(list(korean.gold))
 
     items = calibration_items(per_category=1, categories=("simple_python", "multiple"))
-    model = Qwen3(ModelConfig.tiny(vocab_size=vocab, hidden_size=32, num_layers=LAYERS), rngs=nnx.Rngs(0))
+    model = Decoder(ModelConfig.tiny(vocab_size=vocab, hidden_size=32, num_layers=LAYERS), rngs=nnx.Rngs(0))
     options = dict(groups=GROUPS, levels=(0.0,), batch=16, progress=False)
     stats = calibrate(model, tokenizer, items, target="canonical", **options)
     assert stats.n_items == 2 and not stats.skipped and stats.target == "canonical"
@@ -378,15 +379,16 @@ def test_own_call_target_is_right_at_full_kv():
     argmax under the grammar reproduces every token the engine decoded (own-call targets are right by construction)."""
     pytest.importorskip("bfcl_eval")
     from pask_jax.calibration.run import own_call
-    from pask_jax.engine import Engine, SamplingConfig
     from pask_jax.experiments.bfcl.calibration import calibration_items, prepare_example
     from pask_jax.experiments.bfcl.dialect import bfcl_function
     from pask_jax.experiments.bfcl.prompt import bfcl_prompt, bfcl_python_functions
     from pask_jax.models.tokenizer import qwen_tokenizer
+    from pask_jax.runtime.engine import Engine
+    from pask_jax.runtime.sampling import SamplingConfig
     from pask_jax.structure import GrammarConstraint, compile_grammar
 
     tokenizer, vocab = qwen_tokenizer(), 151936
-    model = Qwen3(ModelConfig.tiny(vocab_size=vocab, hidden_size=32, num_layers=LAYERS), rngs=nnx.Rngs(0))
+    model = Decoder(ModelConfig.tiny(vocab_size=vocab, hidden_size=32, num_layers=LAYERS), rngs=nnx.Rngs(0))
     engine = Engine(model, stop_token_ids=tokenizer.eos_token_ids)
     item, answer = calibration_items(1, ("simple_python",))[0]
     grammar = compile_grammar(

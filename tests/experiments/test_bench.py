@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import pask_jax.experiments.bench
-from pask_jax.engine import new_token_bucket, padded_batch
 from pask_jax.experiments.bench import decode, machine, serving, workloads
 from pask_jax.memory import rows_fitting
+from pask_jax.runtime.shapes import new_token_bucket, padded_batch
 from pask_jax.structure.roles import Role
 
 REPO = Path(__file__).resolve().parents[2]
@@ -234,7 +234,7 @@ def test_machine_and_code_state():
     assert info["jax_backend"] == jax.default_backend() and info["cpu"]
     assert (info["device_memory"] is None) == (jax.default_backend() == "cpu")
     code = machine.code_state()
-    assert len(code["engine_py_sha256"]) == 16
+    assert len(code["runtime_sha256"]) == 16
     assert code["commit"] == "" or len(code["commit"]) == 40  # "" outside a git checkout
 
 
@@ -452,10 +452,10 @@ def test_prefill_gflop_counts_two_flops_per_weight_per_token_plus_causal_attenti
     from flax import nnx
 
     from pask_jax.experiments.bench.prefill import prefill_gflop
-    from pask_jax.models.qwen3 import ModelConfig, Qwen3
+    from pask_jax.models.decoder import Decoder, ModelConfig
 
     cfg = ModelConfig.tiny("qwen2", vocab_size=256)
-    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     kernels = sum(
         v.get_value().size for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if path[-1] == "kernel"
     )

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from conftest import tiny_model
 
-from pask_jax.engine import length_bucket
 from pask_jax.experiments.bench import decode
 from pask_jax.experiments.bench.workloads import category_prompts
 from pask_jax.factory import make_engine
-from pask_jax.models.qwen3 import ModelConfig
+from pask_jax.models.decoder import ModelConfig
+from pask_jax.runtime.shapes import length_bucket
 
 
 def test_decode_step_roofline_by_hand():

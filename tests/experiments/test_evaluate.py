@@ -11,18 +11,18 @@ from conftest import synthetic_stats
 from pask_jax.calibration.compiler import compile_policy
 from pask_jax.experiments import bfcl
 from pask_jax.experiments.bfcl.evaluate import EvalConfig, build_engines, format_table, run_bfcl
-from pask_jax.models.qwen3 import Qwen3
+from pask_jax.models.decoder import Decoder
 from pask_jax.models.tokenizer import qwen_tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
 from pask_jax.requests import RequestBuilder
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen(tiny_qwen_vocab) -> Qwen3:
+def tiny_qwen(tiny_qwen_vocab) -> Decoder:
     return tiny_qwen_vocab
 
 
-def test_run_bfcl_shape_and_split(tiny_qwen: Qwen3):
+def test_run_bfcl_shape_and_split(tiny_qwen: Decoder):
     cfg = EvalConfig(
         methods=("full", "streamingllm"), budgets=(0.5,), categories=("simple_python",), limit=2, max_new_tokens=24
     )
@@ -43,7 +43,7 @@ def test_run_bfcl_shape_and_split(tiny_qwen: Qwen3):
     assert "| full | 1 |" in format_table(result, ("simple_python",))
 
 
-def test_an_interrupted_run_resumes_from_its_last_batch(tiny_qwen: Qwen3, tmp_path, monkeypatch):
+def test_an_interrupted_run_resumes_from_its_last_batch(tiny_qwen: Decoder, tmp_path, monkeypatch):
     from pask_jax.experiments.bfcl import evaluate
 
     cfg = EvalConfig(methods=("full",), categories=("simple_python",), limit=2, batch_size=1, max_new_tokens=6)
@@ -66,7 +66,7 @@ def test_an_interrupted_run_resumes_from_its_last_batch(tiny_qwen: Qwen3, tmp_pa
         run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", dataclasses.replace(cfg, limit=1), out=killed)
 
 
-def test_dev_split_scores_dev_items_and_refuses_policies_fitted_elsewhere(tiny_qwen: Qwen3):
+def test_dev_split_scores_dev_items_and_refuses_policies_fitted_elsewhere(tiny_qwen: Decoder):
     cfg = EvalConfig(categories=("simple_python",), offset=2, limit=1, max_new_tokens=8, split="dev")
     result = run_bfcl(tiny_qwen, qwen_tokenizer(), "tiny", cfg)
     (item,) = result["runs"][0]["items"]
@@ -92,7 +92,7 @@ def test_dev_split_scores_dev_items_and_refuses_policies_fitted_elsewhere(tiny_q
         EvalConfig(split_rule="random")
 
 
-def test_labelled_pask_variants_take_their_own_policy_else_the_pask_one(tiny_qwen: Qwen3):
+def test_labelled_pask_variants_take_their_own_policy_else_the_pask_one(tiny_qwen: Decoder):
     layers = tiny_qwen.config.num_layers
     main = compile_policy(synthetic_stats(num_layers=layers, groups=2), [0.5])
     ablated = compile_policy(synthetic_stats(num_layers=layers, groups=2), [0.5], ablation="no_floors")
@@ -105,7 +105,7 @@ def test_labelled_pask_variants_take_their_own_policy_else_the_pask_one(tiny_qwe
     assert no_floors.floor == tuple(map(tuple, ablated.table(0.5).floor.tolist())) != pask.floor
 
 
-def test_long_context_items_list_distractors_and_the_grammar_allows_every_tool(tiny_qwen: Qwen3):
+def test_long_context_items_list_distractors_and_the_grammar_allows_every_tool(tiny_qwen: Decoder):
     from pask_jax.experiments.bfcl.evaluate import _prepare
 
     item = bfcl.evaluation_sample("simple_python", 0, 1)[0]

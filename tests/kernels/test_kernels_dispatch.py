@@ -13,9 +13,10 @@ from jax.experimental.pallas import tpu as pltpu
 from test_kernels_tpu import TOL, assert_close, make_case
 
 import pask_jax.cache
-from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.kernels import gather_attention, gpu, kernel_block_size, ref_gather_attention, tpu
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.decoder import Decoder, ModelConfig
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.sampling import SamplingConfig
 
 KERNELS = {"tpu": (tpu, "gather_attention_kernel"), "gpu": (gpu, "gather_attention_gpu_kernel")}
 
@@ -113,8 +114,8 @@ PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 120]]
 
 
 @pytest.fixture(scope="module")
-def model() -> Qwen3:
-    return Qwen3(ModelConfig.tiny("qwen3", vocab_size=160), rngs=nnx.Rngs(5))  # its own shapes: a fresh trace
+def model() -> Decoder:
+    return Decoder(ModelConfig.tiny("qwen3", vocab_size=160), rngs=nnx.Rngs(5))  # its own shapes: a fresh trace
 
 
 # different layer groupings: each case traces its own decode step (a cached one would never call the spies)

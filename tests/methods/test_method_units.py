@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pask_jax.engine import Engine
+from pask_jax import attention as attention_ops
 from pask_jax.methods import H2O, METHODS, DapQ, FullKV, PaskKV, PyramidKV, SnapKV
 from pask_jax.methods.base import PROTECTED
 from pask_jax.methods.h2o import accumulated_attention, fold_recent_window
 from pask_jax.methods.pyramidkv import pyramid_fractions
 from pask_jax.methods.snapkv import prompt_first_priority, window_attention, window_scores
-from pask_jax.models import qwen3
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.decoder import Decoder, ModelConfig
+from pask_jax.runtime.engine import Engine
 from pask_jax.structure.roles import NO_TOOL, Role, num_roles
 
 
@@ -197,11 +197,11 @@ def test_dapq_pooling_spreads_a_peak_to_its_neighbours_inside_the_prompt():
 
 
 @pytest.fixture(scope="module")
-def tiny_model() -> Qwen3:
-    return Qwen3(ModelConfig.tiny("qwen3", num_layers=2, vocab_size=128), rngs=nnx.Rngs(3))
+def tiny_model() -> Decoder:
+    return Decoder(ModelConfig.tiny("qwen3", num_layers=2, vocab_size=128), rngs=nnx.Rngs(3))
 
 
-def test_dapq_pseudo_kv_never_reaches_the_cache(tiny_model: Qwen3):
+def test_dapq_pseudo_kv_never_reaches_the_cache(tiny_model: Decoder):
     lengths = np.array([13, 7], np.int32)
     tokens = np.zeros((2, 16), np.int32)
     for i, n in enumerate(lengths):
@@ -238,7 +238,7 @@ def test_h2o_accumulates_over_decode_steps():
 
 @pytest.mark.parametrize("query_chunk", [512, 2, 4])  # one block; three blocks; two blocks over 2 padded positions
 def test_h2o_prefill_is_column_sums_of_causal_attention(monkeypatch, query_chunk):
-    monkeypatch.setattr(qwen3, "QUERY_CHUNK", query_chunk)
+    monkeypatch.setattr(attention_ops, "QUERY_CHUNK", query_chunk)
     q, k = random_qk(t=6, seed=2)
     lengths = np.array([6, 4], np.int32)
     positions = np.broadcast_to(np.arange(6), (2, 6))

@@ -15,9 +15,13 @@ import pytest
 from flax import nnx
 from support import BUCKETS, BUDGET, CASES, NEW, PROMPTS, ROLES, Matrix
 
-from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine, SamplingConfig, _prefill, generate_shared, prefill_chunks
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
-from pask_jax.scheduler import ContinuousBatcher, SequenceRequest
+from pask_jax.experiments.sweep import generate_shared
+from pask_jax.models.decoder import Decoder, ModelConfig
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.prefill import prefill_jit as _prefill
+from pask_jax.runtime.sampling import SamplingConfig
+from pask_jax.runtime.scheduler import ContinuousBatcher, SequenceRequest
+from pask_jax.runtime.shapes import DEFAULT_LENGTH_BUCKETS, prefill_chunks
 
 NAMES = sorted(CASES)
 pytestmark = pytest.mark.usefixtures("quick_compiles")  # thousands of small compiles, each run once or twice
@@ -146,7 +150,7 @@ def test_shared_prefill_equals_separate_engines(matrix: Matrix):
 
 
 def test_shared_prefill_refuses_engines_of_different_models(matrix: Matrix):
-    other = Qwen3(ModelConfig.tiny("qwen3", num_layers=4, vocab_size=256), rngs=nnx.Rngs(6))
+    other = Decoder(ModelConfig.tiny("qwen3", num_layers=4, vocab_size=256), rngs=nnx.Rngs(6))
     engines = [matrix.engine("full", 1.0), Engine(other, length_buckets=BUCKETS)]
     with pytest.raises(ValueError, match="same model"):
         generate_shared(engines, PROMPTS, SamplingConfig(max_new_tokens=4))

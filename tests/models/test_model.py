@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from pask_jax.models import qwen3
+from pask_jax import attention as attention_ops
+from pask_jax.models.decoder import PRESETS, ModelConfig
 from pask_jax.models.loading import (
     CheckpointError,
     config_from_hf,
@@ -21,7 +22,6 @@ from pask_jax.models.loading import (
     load_gguf,
     load_hf_checkpoint,
 )
-from pask_jax.models.qwen3 import PRESETS, ModelConfig
 
 FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
@@ -87,9 +87,9 @@ def test_padding_and_positions():
     """A left-padded row with shifted positions gives the same logits as the unpadded sequence."""
     from flax import nnx
 
-    from pask_jax.models.qwen3 import Qwen3
+    from pask_jax.models.decoder import Decoder
 
-    model = Qwen3(ModelConfig.tiny("qwen3"), rngs=nnx.Rngs(0))
+    model = Decoder(ModelConfig.tiny("qwen3"), rngs=nnx.Rngs(0))
     seq = jnp.asarray(TOKENS[:1, :10])
     alone = model(seq)
     padded = jnp.concatenate([jnp.zeros((1, 3), jnp.int32), seq], axis=1)
@@ -265,15 +265,15 @@ def test_blocked_attention_equals_reference(monkeypatch, t, s, chunk, causal):
     qpos, kpos = jnp.arange(s - t, s), jnp.arange(s)
     mask = (kpos[None, None, :] < lengths[:, None, None]) & (qpos[None, :, None] >= kpos[None, None, :])
     mask = mask & (lengths[:, None, None] > qpos[None, :, None])  # padding queries see nothing
-    monkeypatch.setattr(qwen3, "QUERY_CHUNK", chunk)
-    blocked = qwen3.attention(q, k, v, mask, causal=causal)
+    monkeypatch.setattr(attention_ops, "QUERY_CHUNK", chunk)
+    blocked = attention_ops.attention(q, k, v, mask, causal=causal)
     np.testing.assert_allclose(
-        np.asarray(blocked), np.asarray(qwen3.reference_attention(q, k, v, mask)), rtol=1e-5, atol=1e-6
+        np.asarray(blocked), np.asarray(attention_ops.reference_attention(q, k, v, mask)), rtol=1e-5, atol=1e-6
     )
     if causal:  # the same causal mask over valid keys, built per block from the key validity alone
         key_valid = kpos[None, :] < lengths[:, None]
-        built = qwen3.attention(q, k, v, causal=True, key_valid=key_valid)
-        reference = qwen3.reference_attention(
+        built = attention_ops.attention(q, k, v, causal=True, key_valid=key_valid)
+        reference = attention_ops.reference_attention(
             q, k, v, (qpos[None, :, None] >= kpos[None, None, :]) & key_valid[:, None]
         )
         np.testing.assert_allclose(np.asarray(built), np.asarray(reference), rtol=1e-5, atol=1e-6)
@@ -288,17 +288,17 @@ def test_causal_attention_of_a_prompt_chunk_equals_reference(monkeypatch, start,
     q = jax.random.normal(keys[0], (2, t, 4, 8))
     k, v = (jax.random.normal(key, (2, s, 2, 8)) for key in keys[1:])
     key_valid = jnp.arange(s)[None, :] < jnp.array([s, start + t // 2])[:, None]
-    monkeypatch.setattr(qwen3, "QUERY_CHUNK", chunk)
-    got = qwen3.attention(q, k, v, causal=True, key_valid=key_valid, query_start=jnp.int32(start))
+    monkeypatch.setattr(attention_ops, "QUERY_CHUNK", chunk)
+    got = attention_ops.attention(q, k, v, causal=True, key_valid=key_valid, query_start=jnp.int32(start))
     mask = ((start + jnp.arange(t))[:, None] >= jnp.arange(s)[None, :])[None] & key_valid[:, None]
     np.testing.assert_allclose(
-        np.asarray(got), np.asarray(qwen3.reference_attention(q, k, v, mask)), rtol=1e-5, atol=1e-6
+        np.asarray(got), np.asarray(attention_ops.reference_attention(q, k, v, mask)), rtol=1e-5, atol=1e-6
     )
 
 
 def test_causal_attention_needs_a_key_per_query():
     q, k = jnp.zeros((1, 6, 2, 8)), jnp.zeros((1, 4, 2, 8))
     with pytest.raises(ValueError, match="at least as many keys as queries"):
-        qwen3.attention(q, k, k, jnp.ones((1, 6, 4), bool), causal=True)
+        attention_ops.attention(q, k, k, jnp.ones((1, 6, 4), bool), causal=True)
     with pytest.raises(ValueError, match="a mask, or causal=True with key_valid"):
-        qwen3.attention(q, q, q, key_valid=jnp.ones((1, 4), bool))  # built masks are causal only
+        attention_ops.attention(q, q, q, key_valid=jnp.ones((1, 4), bool))  # built masks are causal only

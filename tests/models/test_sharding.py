@@ -26,14 +26,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support import BUCKETS, CASES, NEW, PROMPTS, ROLES, synthetic_stats, tiny_model
 
-from pask_jax import engine as engine_module
 from pask_jax.calibration.compiler import compile_policy
-from pask_jax.engine import Engine, SamplingConfig, generate_shared, padded_batch, prefill_groups
+from pask_jax.experiments.sweep import generate_shared, prefill_groups
 from pask_jax.llm import LLM
 from pask_jax.memory import cache_bytes_per_device, param_bytes_per_device
 from pask_jax.methods import METHODS, KVMethod, PaskKV
+from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.models.loading import cast_model, resolve_dtype
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
 from pask_jax.models.sharding import (
     PARAM_AXES,
     ShardingError,
@@ -44,13 +43,17 @@ from pask_jax.models.sharding import (
     param_specs,
     parse_mesh,
 )
-from pask_jax.scheduler import ContinuousBatcher, SequenceRequest
+from pask_jax.runtime import prefill, sampling, step
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.sampling import SamplingConfig
+from pask_jax.runtime.scheduler import ContinuousBatcher, SequenceRequest
+from pask_jax.runtime.shapes import padded_batch
 
 DEVICES = 8
 LAYOUTS = ((8, 1), (4, 2), (2, 4))
 BUDGET = 0.33
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one per XLA backend compile
-STEPS = ("_prefill", "_decode", "_sample_masked")  # the engine's jitted steps
+STEPS = {"prefill": prefill.prefill_jit, "decode": step.decode_jit, "sample": sampling.sample_masked}  # jitted steps
 # every method with its defaults, PASK under a (synthetic) policy, and SnapKV decoding through the Pallas kernel
 NAMES = (*sorted(METHODS), "pask_policy", "snapkv_kernel")
 EVERY_METHOD_LAYOUT = (4, 2)  # both axes split: every NAMES method runs on it; the other layouts run LAYOUT_NAMES
@@ -66,11 +69,11 @@ def method(name: str) -> KVMethod:
     return PaskKV.from_policy(POLICY, BUDGET) if name == "pask_policy" else CASES[name.removesuffix("_kernel")](BUDGET)
 
 
-def methods_model() -> Qwen3:
-    return Qwen3(ModelConfig.tiny("qwen3", vocab_size=256), rngs=nnx.Rngs(5))  # 2 layers, 4 / 2 heads
+def methods_model() -> Decoder:
+    return Decoder(ModelConfig.tiny("qwen3", vocab_size=256), rngs=nnx.Rngs(5))  # 2 layers, 4 / 2 heads
 
 
-def placement_problems(model: Qwen3, mesh) -> list[str]:
+def placement_problems(model: Decoder, mesh) -> list[str]:
     """Parameters whose sharding is not the table's; and, independently of the table, any matrix of the tiny model
     left whole on a `model` axis of 2 or more (its head, MLP and vocabulary sizes divide 4; only its 2 KV heads stay
     whole on 4), or any norm scale split."""
@@ -95,7 +98,7 @@ def layout_names(layout: tuple[int, int] | None) -> tuple[str, ...]:
 
 
 def step_executables() -> dict[str, int]:
-    return {name: getattr(engine_module, name)._cache_size() for name in STEPS}
+    return {name: fn._cache_size() for name, fn in STEPS.items()}
 
 
 def worker() -> None:
@@ -208,7 +211,7 @@ def test_a_layout_compiles_the_steps_one_device_compiles_once_and_a_rerun_nothin
     for key, result in sharded.items():
         print(key, "backend compiles (first run, rerun):", result["compiles"], "steps:", result["step_executables"])
         names = layout_names(layouts[key])
-        expected = {"_prefill": len(prefill_groups(names)), "_decode": len(names), "_sample_masked": 1}
+        expected = {"prefill": len(prefill_groups(names)), "decode": len(names), "sample": 1}
         assert result["step_executables"] == expected, key
         assert result["compiles"][1] == 0, key
 

@@ -17,9 +17,8 @@ from conftest import synthetic_stats
 from flax import nnx
 
 from pask_jax.calibration.compiler import compile_policy
-from pask_jax.engine import Engine
 from pask_jax.methods.pask import PaskKV
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.policy import (
     SHIPPED_POLICIES,
     ModelFingerprint,
@@ -29,6 +28,7 @@ from pask_jax.policy import (
     resolve_policy,
 )
 from pask_jax.policy_compiler import CalibrationStats, compile_table, pooled_stats
+from pask_jax.runtime.engine import Engine
 from pask_jax.structure.roles import Role, num_roles
 
 REPO = Path(__file__).parents[2]
@@ -277,7 +277,7 @@ def test_policy_module_needs_no_jax_or_calibration():
 
 def test_floors_respected_online():
     """After prefill, every (layer, head) keeps at least the floor of each prompt bucket."""
-    model = Qwen3(ModelConfig.tiny("qwen3", num_layers=4), rngs=nnx.Rngs(0))
+    model = Decoder(ModelConfig.tiny("qwen3", num_layers=4), rngs=nnx.Rngs(0))
     policy = compile_policy(synthetic_stats(), [0.33])
     engine = Engine(model, method=PaskKV.from_policy(policy, 0.33), budget=0.33, num_groups=G, length_buckets=(64,))
     rng = np.random.default_rng(0)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pask_jax.cache import GroupCache, pool_attention
+from pask_jax.attention import decode_attention, pool_attention
+from pask_jax.cache import GroupCache
 from pask_jax.kernels import ref_gather_attention
 from pask_jax.layers import layer_groups
 from pask_jax.methods.base import budget_capacity
@@ -102,9 +103,11 @@ def test_pool_attention_equals_gathered_reference_after_evictions():
     pool = pool_attention(q, cache.k[0], cache.v[0], cache.pos[0] >= 0)
     gathered = ref_gather_attention(q, cache.k[0], cache.v[0], cache.table[0], cache.length[0])
     np.testing.assert_allclose(pool, gathered, atol=1e-5)
-    heads = q.reshape(B, K * 2, H)  # attend takes the query heads flat, G consecutive heads per KV head
-    np.testing.assert_array_equal(cache.attend(0, heads), pool.reshape(B, K * 2, H))  # the XLA path is the pool
-    kernel = cache.attend(0, heads, use_kernel=True)  # the Pallas kernel through the dispatcher (interpreted here)
+    heads = q.reshape(B, K * 2, H)  # decode attention takes the query heads flat, G consecutive per KV head
+    pool_arrays = (cache.k[0], cache.v[0], cache.pos[0], cache.table[0], cache.length[0])
+    xla = decode_attention(heads, *pool_arrays)
+    np.testing.assert_array_equal(xla, pool.reshape(B, K * 2, H))  # the XLA path is the pool
+    kernel = decode_attention(heads, *pool_arrays, use_kernel=True)  # the Pallas kernel, interpreted here
     np.testing.assert_allclose(kernel, gathered.reshape(B, K * 2, H), atol=1e-5)
 
 

@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pask_jax.engine import Engine, SamplingConfig, generate_shared, mask_words, prefill_groups
+from pask_jax.experiments.sweep import generate_shared, prefill_groups
 from pask_jax.methods import make_method
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.decoder import Decoder, ModelConfig
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.sampling import SamplingConfig, mask_words
+from pask_jax.runtime.step import StepInput
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one per XLA backend compile
 
@@ -18,16 +21,16 @@ PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 120], [200, 1, 2, 3, 4, 5, 6, 7, 8,
 
 
 @pytest.fixture(scope="module")
-def model() -> Qwen3:
-    return Qwen3(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(3))
+def model() -> Decoder:
+    return Decoder(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(3))
 
 
 @nnx.jit
-def full_forward(model: Qwen3, tokens: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
+def full_forward(model: Decoder, tokens: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
     return model(tokens, valid=valid)
 
 
-def greedy_without_cache(model: Qwen3, prompt: list[int], steps: int, width: int = 32) -> list[int]:
+def greedy_without_cache(model: Decoder, prompt: list[int], steps: int, width: int = 32) -> list[int]:
     """Re-run the whole sequence (padded to one width: one compile) for every new token."""
     tokens = list(prompt)
     for _ in range(steps):
@@ -39,7 +42,7 @@ def greedy_without_cache(model: Qwen3, prompt: list[int], steps: int, width: int
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])
-def test_cached_greedy_equals_full_forward(model: Qwen3, use_kernel: bool):
+def test_cached_greedy_equals_full_forward(model: Decoder, use_kernel: bool):
     engine = Engine(model, num_groups=2, use_kernel=use_kernel, length_buckets=(16, 32))
     out = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=12))
     for prompt, gen in zip(PROMPTS, out, strict=True):
@@ -48,14 +51,14 @@ def test_cached_greedy_equals_full_forward(model: Qwen3, use_kernel: bool):
         assert gen.stats.kept_ratio_max == pytest.approx(1.0)
 
 
-def test_batch_equals_single_requests(model: Qwen3):
+def test_batch_equals_single_requests(model: Decoder):
     engine = Engine(model, length_buckets=(16, 32))
     batch = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=8))
     for prompt, gen in zip(PROMPTS, batch, strict=True):
         assert engine.generate([prompt], SamplingConfig(max_new_tokens=8))[0].tokens == gen.tokens
 
 
-def test_stop_tokens_and_sampling(model: Qwen3):
+def test_stop_tokens_and_sampling(model: Decoder):
     reference = Engine(model, length_buckets=(16,)).generate(PROMPTS[:1], SamplingConfig(max_new_tokens=10))[0]
     stop = reference.tokens[3]
     engine = Engine(model, stop_token_ids=[stop], length_buckets=(16,))
@@ -66,7 +69,7 @@ def test_stop_tokens_and_sampling(model: Qwen3):
     assert [g.tokens for g in sampled[0]] != [g.tokens for g in sampled[2]]
 
 
-def test_bad_input_is_named(model: Qwen3):
+def test_bad_input_is_named(model: Decoder):
     with pytest.raises(ValueError, match="exceeds the largest length bucket 16"):
         Engine(model, length_buckets=(16,)).generate([list(range(20))])
     engine = Engine(model, length_buckets=(16,), max_context=24)
@@ -92,11 +95,11 @@ def _count_compiles(event: str, seconds: float, **kwargs) -> None:
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
-def snapkv_engine(model: Qwen3) -> Engine:
+def snapkv_engine(model: Decoder) -> Engine:
     return Engine(model, method=make_method("snapkv", {}, budget=0.5), budget=0.5, length_buckets=(16, 32))
 
 
-def test_batch_shape_is_what_generate_compiles(model: Qwen3):
+def test_batch_shape_is_what_generate_compiles(model: Decoder):
     engine = snapkv_engine(model)
     sampling = SamplingConfig(max_new_tokens=6)
     engine.generate(PROMPTS, sampling)
@@ -113,7 +116,7 @@ def test_batch_shape_is_what_generate_compiles(model: Qwen3):
     assert _compiles[0] == before + 1  # another batch: another executable
 
 
-def test_cache_bytes_are_the_prefilled_caches_bytes(model: Qwen3):
+def test_cache_bytes_are_the_prefilled_caches_bytes(model: Decoder):
     engine = snapkv_engine(model)
     for prompts in (PROMPTS, PROMPTS[:1]):
         shape = engine.batch_shape([len(p) for p in prompts], 20)
@@ -124,7 +127,7 @@ def test_cache_bytes_are_the_prefilled_caches_bytes(model: Qwen3):
         assert engine.cache_bytes(shape) == sum(x.nbytes for x in jax.tree.leaves(caches)) > 0
 
 
-def test_decode_step_continues_a_prefill_as_generate_does(model: Qwen3):
+def test_decode_step_continues_a_prefill_as_generate_does(model: Decoder):
     engine = Engine(model, length_buckets=(16,))
     expected = engine.generate(PROMPTS[:2], SamplingConfig(max_new_tokens=4))
     shape = engine.batch_shape([len(p) for p in PROMPTS[:2]], 4)
@@ -134,15 +137,14 @@ def test_decode_step_continues_a_prefill_as_generate_does(model: Qwen3):
     no_mask = np.full((shape.padded_rows, mask_words(model.config.vocab_size)), -1, np.int32)
     for _ in range(4):
         out.append(current[:2].tolist())
-        current, caches, _, overflow = engine.decode_step(
-            caches, current, positions, np.zeros_like(lengths), lengths, no_mask, jax.random.key(0)
-        )
+        step = StepInput(current, positions, np.zeros_like(lengths), lengths)  # no method inputs: none called
+        current, caches, _, overflow = engine.decode_step(caches, step, no_mask, jax.random.key(0))
         current, positions = np.asarray(current), positions + 1
         assert not bool(overflow)
     assert [list(row) for row in zip(*out, strict=True)] == [g.tokens for g in expected]
 
 
-def test_on_step_reports_the_prefill_and_every_decode_step(model: Qwen3):
+def test_on_step_reports_the_prefill_and_every_decode_step(model: Decoder):
     engine = Engine(model, length_buckets=(16, 32))
     timings = []
     gens = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=7), on_step=timings.append)
@@ -157,7 +159,7 @@ def test_on_step_reports_the_prefill_and_every_decode_step(model: Qwen3):
     assert len(gen.tokens) == len(timings) == gen.tokens.index(stop) + 1  # no decode step after the last row stops
 
 
-def test_bad_shapes_are_named(model: Qwen3):
+def test_bad_shapes_are_named(model: Decoder):
     engine = Engine(model, length_buckets=(16,), max_context=24)
     with pytest.raises(ValueError, match="at least one token"):
         engine.batch_shape([], 4)

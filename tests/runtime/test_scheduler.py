@@ -7,10 +7,11 @@ import jax
 import pytest
 from flax import nnx
 
-from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.methods import make_method
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
-from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, admission_chunks, row_shape, rows_for_memory
+from pask_jax.models.decoder import Decoder, ModelConfig
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.sampling import SamplingConfig
+from pask_jax.runtime.scheduler import ContinuousBatcher, SequenceRequest, admission_chunks, row_shape, rows_for_memory
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 120], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [9] * 20, [3, 4]]
@@ -22,11 +23,11 @@ jax.monitoring.register_event_duration_secs_listener(
 
 
 @pytest.fixture(scope="module")
-def model() -> Qwen3:
-    return Qwen3(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(3))
+def model() -> Decoder:
+    return Decoder(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(3))
 
 
-def test_stop_tokens_free_rows_and_both_step_orders_agree(model: Qwen3):
+def test_stop_tokens_free_rows_and_both_step_orders_agree(model: Decoder):
     reference = Engine(model, length_buckets=BUCKETS).generate(PROMPTS, SamplingConfig(max_new_tokens=10))
     stop = reference[0].tokens[4]  # a token the model writes: some rows stop on it, early
     engine = Engine(model, stop_token_ids=[stop], length_buckets=BUCKETS)
@@ -40,7 +41,7 @@ def test_stop_tokens_free_rows_and_both_step_orders_agree(model: Qwen3):
     assert static[0].finish_reason == "stop" and static[0].tokens[-1] == stop
 
 
-def test_grammar_overlap_defaults_to_off_on_the_host_cores_only(model: Qwen3, monkeypatch: pytest.MonkeyPatch):
+def test_grammar_overlap_defaults_to_off_on_the_host_cores_only(model: Decoder, monkeypatch: pytest.MonkeyPatch):
     engine = Engine(model, length_buckets=BUCKETS)
     for backend, overlap in (("cpu", False), ("tpu", True), ("gpu", True)):
         monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
@@ -48,7 +49,7 @@ def test_grammar_overlap_defaults_to_off_on_the_host_cores_only(model: Qwen3, mo
         assert ContinuousBatcher(engine, rows=1, overlap_grammar=not overlap).overlap_grammar is (not overlap)
 
 
-def test_requests_wait_for_a_row_and_a_warm_run_compiles_nothing(model: Qwen3):
+def test_requests_wait_for_a_row_and_a_warm_run_compiles_nothing(model: Decoder):
     engine = Engine(model, length_buckets=BUCKETS)
     batcher = ContinuousBatcher(engine, rows=2)
     requests = [SequenceRequest(p, n) for p, n in zip(PROMPTS, (6, 2, 4, 3, 5), strict=True)]
@@ -63,7 +64,7 @@ def test_requests_wait_for_a_row_and_a_warm_run_compiles_nothing(model: Qwen3):
 
 
 @pytest.mark.parametrize("overlap, prefill_rows", [(True, None), (False, 1)])
-def test_precompile_leaves_nothing_for_the_run_to_compile(model: Qwen3, overlap: bool, prefill_rows: int | None):
+def test_precompile_leaves_nothing_for_the_run_to_compile(model: Decoder, overlap: bool, prefill_rows: int | None):
     engine = Engine(model, length_buckets=(8, 24))  # shapes no other test compiles
     batcher = ContinuousBatcher(engine, rows=3, overlap_grammar=overlap, max_prefill_rows=prefill_rows)
     requests = [SequenceRequest(p, n) for p, n in zip(PROMPTS, (6, 2, 4, 3, 5), strict=True)]
@@ -75,7 +76,7 @@ def test_precompile_leaves_nothing_for_the_run_to_compile(model: Qwen3, overlap:
     assert _compiles[0] == compiled
 
 
-def test_rows_follow_the_memory_limit_and_each_methods_cache(model: Qwen3):
+def test_rows_follow_the_memory_limit_and_each_methods_cache(model: Decoder):
     requests = [SequenceRequest(p, 16) for p in PROMPTS]
     full = Engine(model, length_buckets=BUCKETS)
     snap = Engine(model, method=make_method("snapkv", {}, budget=0.25), budget=0.25, length_buckets=BUCKETS)
@@ -86,7 +87,7 @@ def test_rows_follow_the_memory_limit_and_each_methods_cache(model: Qwen3):
     assert rows_for_memory(full, row_shape(full, requests, 1), 100, max_rows=64) == 0
 
 
-def test_bad_requests_are_named_before_anything_runs(model: Qwen3):
+def test_bad_requests_are_named_before_anything_runs(model: Decoder):
     batcher = ContinuousBatcher(Engine(model, length_buckets=BUCKETS), rows=2)
     cases = [
         (SequenceRequest([1] * 40, 4), "request 1: .*largest length bucket 32"),

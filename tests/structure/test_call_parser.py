@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pask_jax.decoding import Generation, RequestStats
 from pask_jax.llm import LLM
 from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.requests import parse_request
+from pask_jax.runtime.rows import Generation, RequestStats
 from pask_jax.structure.call_parser import parse_text_calls, split_grammar_calls
 from pask_jax.structure.schema import parse_tools
 

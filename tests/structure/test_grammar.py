@@ -515,7 +515,7 @@ def unpack(bits: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def test_grammar_constraint_two_grammars(tok, factorial, hotel):
-    from pask_jax.engine import unpack_mask
+    from pask_jax.runtime.sampling import unpack_mask
 
     vocab_size = 151_936  # the model's padded vocabulary: the ids past the tokenizer's are never allowed
     texts = [
@@ -565,10 +565,10 @@ def test_grammar_constraint_two_grammars(tok, factorial, hotel):
 
 
 def test_grammar_constraint_is_a_token_constraint(factorial):
-    from pask_jax import engine
+    from pask_jax.runtime import rows
 
     assert isinstance(GrammarConstraint([factorial], factorial.vocab.size), TokenConstraint)
-    assert engine.TokenConstraint is TokenConstraint  # the engine's protocol is this one
+    assert rows.TokenConstraint is TokenConstraint  # the decode loop's protocol is this one
 
 
 def test_grammar_constraint_refuses_an_unmasked_token(tok, factorial):
@@ -611,7 +611,7 @@ def test_bad_schema_errors(tok):
 
 def test_turn_may_end_after_a_separator(tok, factorial):
     """Qwen often writes "\\n" before <|im_end|>: after a separator the constraint allows the end of turn too."""
-    from pask_jax.engine import unpack_mask
+    from pask_jax.runtime.sampling import unpack_mask
 
     ids = tok.encode(render([("math.factorial", {"number": 5})], "tool_call"))[:-1] + tok.encode("\n<|im_end|>")
     constraint = GrammarConstraint([factorial], 151_936)

@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 from support import tiny_model
 
-from pask_jax.engine import Engine, mask_words
 from pask_jax.methods import PaskKV
 from pask_jax.methods.pask import POSITION_RANGE
 from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.requests import RequestBuilder, parse_request
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.sampling import mask_words
+from pask_jax.runtime.step import MethodInputs, StepInput
 from pask_jax.structure import GrammarConstraint, Role
 from pask_jax.structure.roles import NO_TOOL
 
@@ -105,10 +107,14 @@ def _evicted_prompt_positions(
     bits = np.full((shape.padded_rows, mask_words(model.config.vocab_size)), -1, np.int32)
     current, positions = np.full(shape.padded_rows, 7, np.int32), lengths.copy()
     for _ in range(steps):
-        current, caches, _, overflow = engine.decode_step(
-            caches, current, positions, np.zeros_like(lengths), lengths, bits, jax.random.key(0),
-            called=np.full(shape.padded_rows, called, np.int32),
-        )  # fmt: skip
+        step = StepInput(
+            current,
+            positions,
+            np.zeros_like(lengths),
+            lengths,
+            MethodInputs(np.full(shape.padded_rows, called, np.int32)),
+        )
+        current, caches, _, overflow = engine.decode_step(caches, step, bits, jax.random.key(0))
         current, positions = np.asarray(current), positions + 1
         assert not bool(overflow)
     after = np.asarray(caches[0].pos)

@@ -17,7 +17,7 @@ from pathlib import Path
 from flax import nnx
 
 from pask_jax.factory import make_engine
-from pask_jax.models.qwen3 import PRESETS, Qwen3
+from pask_jax.models.decoder import PRESETS, Decoder
 
 BUDGETS = (1.0, 0.5, 0.33, 0.2)
 
@@ -26,7 +26,7 @@ def cache_bytes_by_budget(
     preset: str, prompt_len: int, new_tokens: int, batch: int, method: str = "snapkv", budgets=BUDGETS
 ) -> list[dict]:
     """Per budget: `method`'s cache bytes for `batch` prompts of `prompt_len` tokens, and their share of Full KV's."""
-    model = nnx.eval_shape(lambda: Qwen3(PRESETS[preset], rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(PRESETS[preset], rngs=nnx.Rngs(0)))
     lengths = [prompt_len] * batch
 
     def nbytes(name: str, budget: float) -> int:

@@ -38,8 +38,8 @@ from pathlib import Path
 import jax
 
 from pask_jax.arguments import int_at_least, labelled_policies
-from pask_jax.engine import PLANS_PER_PREFILL, prefill_groups
 from pask_jax.experiments.bench.machine import code_state, int_list, machine_info, write_result
+from pask_jax.experiments.sweep import PLANS_PER_PREFILL, prefill_groups
 
 TINY = "tiny"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -151,9 +151,9 @@ def load(model: str, specs: dict, budget: float):
     if model == TINY:
         from flax import nnx
 
-        from pask_jax.models.qwen3 import ModelConfig, Qwen3
+        from pask_jax.models.decoder import Decoder, ModelConfig
 
-        qwen = Qwen3(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(0))
+        qwen = Decoder(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(0))
         return {name: engine(qwen, spec) for name, spec in specs.items()}, None
     from pask_jax.llm import LLM
 

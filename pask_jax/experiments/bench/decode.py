@@ -65,15 +65,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pask_jax.engine import BatchShape, Engine, SamplingConfig, StepTiming, mask_words, sample, unpack_mask
 from pask_jax.experiments import bfcl
 from pask_jax.experiments.bench.machine import code_state, compiles_so_far, machine_info
 from pask_jax.experiments.bench.workloads import category_prompts
 from pask_jax.experiments.bfcl.long_context import item_seed, long_context_prompt
 from pask_jax.experiments.bfcl.prompt import format_tool_prompt
 from pask_jax.factory import make_engine
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.models.tokenizer import Tokenizer
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.rows import StepTiming
+from pask_jax.runtime.sampling import SamplingConfig, mask_words, sample, unpack_mask
+from pask_jax.runtime.shapes import BatchShape
+from pask_jax.runtime.step import MethodInputs, StepInput
+from pask_jax.structure.roles import NO_TOOL
 
 if TYPE_CHECKING:
     import torch
@@ -175,7 +180,7 @@ def copy_bandwidth(nbytes: int, repeats: int) -> dict:
     }
 
 
-def weight_bytes(model: Qwen3) -> dict:
+def weight_bytes(model: Decoder) -> dict:
     """Bytes of every parameter of `model` in its dtype (a tied LM head is the embedding: counted once), and of
     its embedding table."""
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -316,7 +321,8 @@ def decode_step_replay(engine: Engine, prompts: list[list[int]], new_tokens: int
         state["caches"] = jax.block_until_ready(jax.tree.map(jnp.copy, caches))
 
     def run() -> None:
-        out = engine.decode_step(state.pop("caches"), first, lengths, step_roles, lengths, bits, key)
+        step = StepInput(first, lengths, step_roles, lengths, MethodInputs(np.full_like(lengths, NO_TOOL)))
+        out = engine.decode_step(state.pop("caches"), step, bits, key)
         jax.block_until_ready(out)
 
     return setup, run
@@ -342,12 +348,12 @@ def time_round_robin(thunks: dict[str, Thunk], reps: int) -> tuple[dict[str, flo
     )
 
 
-def lm_head_weight(model: Qwen3) -> jax.Array:
+def lm_head_weight(model: Decoder) -> jax.Array:
     """f[V, D]: the LM head's matrix (the embedding when they are tied)."""
     return (model.embed.embedding if model.lm_head is None else model.lm_head.kernel)[...]
 
 
-def pieces(engine: Engine, model: Qwen3, hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int, reps: int):
+def pieces(engine: Engine, model: Decoder, hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int, reps: int):
     """ms of the pieces of one decode step over `prompts` (at our padded batch), each jitted alone, timed interleaved.
 
     ours: the engine's real decode step (on the cache its prefill fills for these prompts), the layers at T=1 with
@@ -714,7 +720,7 @@ def bench_batch(
 
 def run_benchmark(
     cfg: DecodeConfig,
-    model: Qwen3,
+    model: Decoder,
     hf: torch.nn.Module,
     prompts: list[list[int]],
     decode_text: Callable[[list[int]], str] | None = None,

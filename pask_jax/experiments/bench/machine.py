@@ -12,10 +12,10 @@ from pathlib import Path
 
 import jax
 
-import pask_jax.engine
+import pask_jax
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one per XLA backend compile
-PACKAGE = Path(pask_jax.engine.__file__).resolve().parent
+PACKAGE = Path(pask_jax.__file__).resolve().parent
 
 
 def cpu_name() -> str:
@@ -58,7 +58,8 @@ def device_peak_bytes() -> int | None:
 
 
 def code_state() -> dict:
-    """The commit, the uncommitted package files and a hash of engine.py: which code produced the numbers."""
+    """The commit, the uncommitted package files and a hash of the runtime's sources: which code produced the
+    numbers."""
 
     def git(*args: str) -> str:
         try:
@@ -70,7 +71,9 @@ def code_state() -> dict:
     return {
         "commit": git("rev-parse", "HEAD"),
         "dirty_package_files": git("status", "--porcelain", "--", PACKAGE.name).splitlines(),
-        "engine_py_sha256": hashlib.sha256((PACKAGE / "engine.py").read_bytes()).hexdigest()[:16],
+        "runtime_sha256": hashlib.sha256(
+            b"".join(p.read_bytes() for p in sorted((PACKAGE / "runtime").glob("*.py")))
+        ).hexdigest()[:16],
     }
 
 

@@ -58,7 +58,6 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from pask_jax.engine import NEW_TOKEN_BUCKET, BatchShape, Engine, SamplingConfig, new_token_bucket
 from pask_jax.experiments.bench.machine import code_state, compiles_so_far, device_peak_bytes, machine_info
 from pask_jax.experiments.bench.stream import (
     SCHEDULERS,
@@ -71,9 +70,12 @@ from pask_jax.experiments.bench.stream import (
 from pask_jax.experiments.bench.workloads import Workload, build_workload, workload_tokens
 from pask_jax.factory import make_engine
 from pask_jax.memory import rows_fitting, tree_bytes
-from pask_jax.models.qwen3 import ModelConfig, Qwen3
+from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import PersistencePolicy, resolve_policy
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.sampling import SamplingConfig
+from pask_jax.runtime.shapes import NEW_TOKEN_BUCKET, BatchShape, new_token_bucket
 from pask_jax.structure import GrammarConstraint
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -124,14 +126,14 @@ class Setup:
     """The model and what generation needs around it (tokenizer, PASK policy)."""
 
     name: str
-    model: Qwen3
+    model: Decoder
     tokenizer: Tokenizer | None  # None: the tiny model's synthetic prompts
     policy: PersistencePolicy | None
 
 
 def load_setup(cfg: BenchConfig) -> Setup:
     if cfg.model == TINY:
-        return Setup(TINY, Qwen3(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(cfg.seed)), None, None)
+        return Setup(TINY, Decoder(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(cfg.seed)), None, None)
     from pask_jax.checkpoint import Checkpoint
 
     checkpoint = Checkpoint.open(cfg.model)

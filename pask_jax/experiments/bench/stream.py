@@ -31,11 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pask_jax.engine import Engine, SamplingConfig
 from pask_jax.experiments.bench.machine import code_state, compiles_so_far, machine_info
 from pask_jax.experiments.bench.workloads import Workload
 from pask_jax.memory import tree_bytes
-from pask_jax.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.sampling import SamplingConfig
+from pask_jax.runtime.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
 from pask_jax.structure import GrammarConstraint
 
 # continuous-sync: continuous batching with the token masks built before each step instead of while it runs

@@ -15,12 +15,12 @@ import dataclasses
 
 import numpy as np
 
-from pask_jax.engine import length_bucket
 from pask_jax.experiments import bfcl
 from pask_jax.experiments.bfcl.long_context import long_context_prompt
 from pask_jax.experiments.bfcl.prompt import bfcl_prompt, bfcl_python_functions, format_tool_prompt, prepare_tool_prompt
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.requests import RequestBuilder
+from pask_jax.runtime.shapes import length_bucket
 from pask_jax.structure import CompiledGrammar
 from pask_jax.structure.roles import Role
 

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from pask_jax.calibration.run import Example, calibrate_examples, example_from_prepared, own_call
-from pask_jax.engine import Engine
 from pask_jax.experiments.bfcl import (
     CATEGORIES,
     SPLIT_RULE,
@@ -35,9 +34,10 @@ from pask_jax.experiments.bfcl import (
 )
 from pask_jax.experiments.bfcl.long_context import LAYOUTS, item_prompt, prompt_id
 from pask_jax.experiments.bfcl.prompt import format_tool_call, prepare_tool_prompt
-from pask_jax.models.qwen3 import Qwen3
+from pask_jax.models.decoder import Decoder
 from pask_jax.policy_compiler import CalibrationStats
 from pask_jax.requests import RequestBuilder
+from pask_jax.runtime.engine import Engine
 
 TARGETS = ("own", "canonical")
 
@@ -107,7 +107,7 @@ def prepare_example(
 
 
 def calibrate(
-    model: Qwen3,
+    model: Decoder,
     tokenizer,
     items_with_answers: Sequence[tuple[dict, dict]],
     *,

@@ -27,17 +27,20 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from pask_jax.engine import DEFAULT_LENGTH_BUCKETS, Engine, SamplingConfig, generate_shared
 from pask_jax.experiments import bfcl
 from pask_jax.experiments.bench.machine import write_json
 from pask_jax.experiments.bfcl.long_context import LAYOUTS, item_of_prompt, item_prompt
 from pask_jax.experiments.bfcl.prompt import PROMPTS, prepare_bfcl, prepare_tool_prompt
+from pask_jax.experiments.sweep import generate_shared
 from pask_jax.factory import make_engine, resolve_spec
 from pask_jax.models.chat_template import ChatTemplate
-from pask_jax.models.qwen3 import Qwen3
+from pask_jax.models.decoder import Decoder
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
 from pask_jax.requests import PreparedRequest, RequestBuilder
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.sampling import SamplingConfig
+from pask_jax.runtime.shapes import DEFAULT_LENGTH_BUCKETS
 from pask_jax.structure import GrammarConstraint
 
 
@@ -198,7 +201,7 @@ def run_category(
 
 
 def build_engines(
-    model: Qwen3,
+    model: Decoder,
     tokenizer: Tokenizer,
     cfg: EvalConfig,
     method_config: dict[str, dict],
@@ -255,7 +258,7 @@ def read_results(path: Path | None, model_name: str, config: dict) -> tuple[list
 
 
 def run_bfcl(
-    model: Qwen3,
+    model: Decoder,
     tokenizer: Tokenizer,
     model_name: str,
     cfg: EvalConfig,

@@ -26,22 +26,10 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from pask_jax.runtime.sampling import SamplingConfig, mask_words
+from pask_jax.runtime.step import MethodInputs, StepInput
 from pask_jax.structure.constraint import TokenConstraint
 from pask_jax.structure.roles import NO_TOOL
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 and top_p={self.top_p} in (0, 1]")
 
 
 @dataclasses.dataclass
@@ -84,20 +72,15 @@ class StepTiming:
 StepCallback = Callable[[StepTiming], None]
 
 
-def mask_words(vocab_size: int) -> int:
-    """Words per row of a packed token mask (i32[B, ceil(V/32)]): one bit per token id."""
-    return -(-vocab_size // 32)
-
-
 class StepRunner(Protocol):
-    """What the loop asks of an engine (`pask_jax.engine.Engine`)."""
+    """What the loop asks of an engine (`pask_jax.runtime.Engine`)."""
 
     stop_token_ids: frozenset[int]
     method: Any  # its `name` names it in errors
 
-    def decode_step(self, caches, tokens, positions, roles, prompt_lengths, mask_bits, key, sampling, called): ...
+    def decode_step(self, caches, step: StepInput, mask_bits, key, sampling): ...
 
-    def decode_logits(self, caches, tokens, positions, roles, prompt_lengths, called): ...
+    def decode_logits(self, caches, step: StepInput): ...
 
     def sample(self, logits, mask_bits, key, sampling): ...
 
@@ -214,15 +197,15 @@ class DecodeRows:
         engine, sampling = self.engine, self.sampling
         t0 = time.perf_counter()
         self.key, sub = jax.random.split(self.key)
-        feed = (self.tokens, self.positions, self.roles, self.prompt_lengths)
+        feed = StepInput(self.tokens, self.positions, self.roles, self.prompt_lengths, MethodInputs(self.called))
         if self.overlap_grammar:
-            logits, caches, kept, overflow = engine.decode_logits(caches, *feed, self.called)
+            logits, caches, kept, overflow = engine.decode_logits(caches, feed)
             call_start = time.perf_counter()
             sampled = engine.sample(logits, self._masks(), sub, sampling)  # masks built while the step runs
         else:
             bits = self._masks()
             call_start = time.perf_counter()
-            sampled, caches, kept, overflow = engine.decode_step(caches, *feed, bits, sub, sampling, self.called)
+            sampled, caches, kept, overflow = engine.decode_step(caches, feed, bits, sub, sampling)
         sampled, kept = np.asarray(sampled), np.asarray(kept)
         call_s = time.perf_counter() - call_start
         if bool(overflow):

@@ -32,9 +32,12 @@ from collections.abc import Iterator, Sequence
 import jax
 import numpy as np
 
-from pask_jax.decoding import DecodeRows, Generation, SamplingConfig, mask_words
-from pask_jax.engine import BatchShape, Engine, length_bucket, padded_batch
 from pask_jax.memory import rows_fitting
+from pask_jax.runtime.engine import Engine
+from pask_jax.runtime.rows import DecodeRows, Generation
+from pask_jax.runtime.sampling import SamplingConfig, mask_words
+from pask_jax.runtime.shapes import BatchShape, length_bucket, padded_batch
+from pask_jax.runtime.step import StepInput
 from pask_jax.structure.constraint import TokenConstraint
 
 
@@ -148,12 +151,11 @@ class ContinuousBatcher:
             caches = engine.insert_rows(caches, engine.empty_caches(size, capacities), skipped)
             engine.warm_sampler(size, self.sampling)
         engine.warm_sampler(width, self.sampling)
-        zeros, ones = np.zeros(width, np.int32), np.ones(width, np.int32)
         if self.overlap_grammar:
-            engine.decode_logits(caches, zeros, zeros, zeros, ones)
+            engine.decode_logits(caches, StepInput.first(width))
         else:
             bits = np.full((width, mask_words(engine.cfg.vocab_size)), -1, np.int32)
-            engine.decode_step(caches, zeros, zeros, zeros, ones, bits, jax.random.key(0), self.sampling)
+            engine.decode_step(caches, StepInput.first(width), bits, jax.random.key(0), self.sampling)
 
     def run(self, requests: Sequence[SequenceRequest]) -> Iterator[tuple[int, Generation]]:
         """Yields (request index, Generation) as each sequence ends; requests are admitted in order. A request's

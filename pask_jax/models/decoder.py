@@ -23,14 +23,13 @@ constrained with the same logical axes (`constrain`: a no-op without an active m
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pask_jax.kernels import masked_softmax
+from pask_jax.attention import attention
 from pask_jax.models.sharding import constrain
 
 # attend(layer_index, q f[B, T, N, H], k f[B, T, K, H], v f[B, T, K, H]) -> f[B, T, N, H]
@@ -154,143 +153,6 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention_probs(
-    q: jax.Array,  # f[B, T, N, H]
-    k: jax.Array,  # f[B, S, K, H]
-    mask: jax.Array,  # bool[B, T, S]: True where query t may attend key s
-) -> jax.Array:  # f32[B, K, G, T, S]
-    """Softmax attention weights, grouped by KV head; rows with no visible key are zeros, never NaN."""
-    b, t, n, h = q.shape
-    kv_heads = k.shape[2]
-    qg = jnp.transpose(q.reshape(b, t, kv_heads, n // kv_heads, h), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
-    logits = grouped_logits(qg, jnp.transpose(k, (0, 2, 1, 3)))
-    return masked_softmax(logits, mask[:, None, None])  # mask as [B, 1, 1, T, S]
-
-
-def grouped_logits(
-    q: jax.Array,  # f[B, K, G, T, H]
-    k: jax.Array,  # f[B, K, S, H]
-) -> jax.Array:  # f32[B, K, G, T, S]
-    """Scaled attention logits, grouped by KV head.
-
-    As [B, K, G*T, H] x [B, K, S, H]: one batched matmul per KV head, about 3x faster on XLA:CPU than contracting the
-    query-major [B, T, K, G, H] against [B, S, K, H].
-    """
-    b, kv_heads, g, t, h = q.shape
-    logits = jnp.einsum("BKMH,BKSH->BKMS", q.reshape(b, kv_heads, g * t, h), k, preferred_element_type=jnp.float32)
-    return logits.reshape(b, kv_heads, g, t, -1) / math.sqrt(h)
-
-
-QUERY_CHUNK = 512  # `attention`'s blocks of queries and keys ([B, N, chunk, chunk] weights at a time)
-
-
-def reference_attention(
-    q: jax.Array,  # f[B, T, N, H]
-    k: jax.Array,  # f[B, S, K, H]
-    v: jax.Array,  # f[B, S, K, H]
-    mask: jax.Array,  # bool[B, T, S]
-) -> jax.Array:  # f[B, T, N, H]
-    """Grouped-query softmax attention in one block: the definition `attention` and every cache path must match."""
-    b, t, n, h = q.shape
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", attention_probs(q, k, mask).astype(v.dtype), v)
-    return out.reshape(b, t, n, h)
-
-
-def _block_size(n: int) -> int:
-    """Block length for n queries (or keys): n itself up to QUERY_CHUNK, else n split evenly into blocks of at most
-    QUERY_CHUNK, rounded up to a multiple of 8 (so the padding stays under 8 per block)."""
-    blocks = -(-n // QUERY_CHUNK)
-    per_block = -(-n // blocks)
-    return n if blocks == 1 else (per_block + 7) // 8 * 8
-
-
-def _attention_block(
-    q: jax.Array,  # f[B, K, G, c, H]
-    k: jax.Array,  # f[B, K, s, H]
-    v: jax.Array,  # f[B, K, s, H]
-    mask: jax.Array,  # bool[B, c, s]
-    row_max: jax.Array,  # f32[B, K, G, c]: the running max of the logits so far
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One block of queries against one block of keys -> unnormalised output f32[B, K, G, c, H], its softmax
-    denominator f32[B, K, G, c], the new running max (FlashAttention's online softmax)."""
-    b, kv_heads, g, c, h = q.shape
-    logits = jnp.where(mask[:, None, None], grouped_logits(q, k), -1e30)
-    new_max = jnp.maximum(row_max, logits.max(axis=-1))
-    weights = jnp.where(mask[:, None, None], jnp.exp(logits - new_max[..., None]), 0.0)  # a masked key adds 0
-    out = jnp.einsum("BKMS,BKSH->BKMH", weights.reshape(b, kv_heads, g * c, -1).astype(v.dtype), v)
-    return out.reshape(b, kv_heads, g, c, h).astype(jnp.float32), weights.sum(axis=-1), new_max
-
-
-def attention(
-    q: jax.Array,  # f[B, T, N, H]
-    k: jax.Array,  # f[B, S, K, H]
-    v: jax.Array,  # f[B, S, K, H]
-    mask: jax.Array | None = None,  # bool[B, T, S]
-    *,
-    causal: bool = False,
-    key_valid: jax.Array | None = None,  # bool[B, S], with mask None
-    query_start: jax.Array | int = 0,  # i32[]: the position of query 0, with causal (a chunk of a longer prompt)
-) -> jax.Array:  # f[B, T, N, H]
-    """`reference_attention` in blocks of QUERY_CHUNK queries and keys with an online softmax, so a long prompt never
-    materialises its T x S weights (rows with no visible key are zeros, as there).
-
-    causal: the caller's mask is causal over a prompt attending to itself, query t being prompt position
-    `query_start + t` (S >= query_start + T, mask[t, s] False for s > query_start + t), so the key blocks after each
-    query block are skipped: about half the work of a long prompt.
-    mask None (with causal and `key_valid`): the mask is query t sees key s <= query_start + t where key s is valid,
-    built per block, so a long prompt never materialises its T x S mask either (1 GiB at 32k tokens).
-    """
-    b, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    if causal and s < t:
-        raise ValueError(f"causal attention needs at least as many keys as queries, got {t} queries and {s} keys")
-    if (mask is None) == (key_valid is None) or (mask is None and not causal):
-        raise ValueError("attention takes a mask, or causal=True with key_valid")
-    cq, ck = _block_size(t), _block_size(s)
-    tp, sp = -(-t // cq) * cq, -(-s // ck) * ck  # padded to whole blocks (the padding is masked out)
-    qt = jnp.pad(q.reshape(b, t, kv_heads, n // kv_heads, h), ((0, 0), (0, tp - t), (0, 0), (0, 0), (0, 0)))
-    qt = jnp.transpose(qt, (0, 2, 3, 1, 4))  # [B, K, G, Tp, H]
-    kt, vt = (jnp.transpose(jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0))), (0, 2, 1, 3)) for x in (k, v))
-    if mask is not None:
-        mask = jnp.pad(mask, ((0, 0), (0, tp - t), (0, sp - s)))  # bool[B, Tp, Sp]
-    else:
-        key_valid = jnp.pad(key_valid, ((0, 0), (0, sp - s)))  # bool[B, Sp]
-
-    def block_mask(i: jax.Array, j: jax.Array) -> jax.Array:  # query block i x key block j -> bool[B, cq, ck]
-        if mask is not None:
-            rows = jax.lax.dynamic_slice_in_dim(mask, i * cq, cq, axis=1)
-            return jax.lax.dynamic_slice_in_dim(rows, j * ck, ck, axis=2)
-        rows, cols = query_start + i * cq + jnp.arange(cq), j * ck + jnp.arange(ck)
-        return (rows[:, None] >= cols[None, :])[None] & jax.lax.dynamic_slice_in_dim(key_valid, j * ck, ck, 1)[:, None]
-
-    if tp == cq and sp == ck:  # one block: no loops (short prompts, decode-sized queries)
-        out, denom, _ = _attention_block(qt, kt, vt, block_mask(0, 0), jnp.full(qt.shape[:-1], -1e30, jnp.float32))
-        blocks = (out / jnp.maximum(denom, 1e-30)[..., None])[None]  # [1, B, K, G, Tp, H]
-    else:
-
-        def query_block(i: jax.Array) -> jax.Array:  # -> f32[B, K, G, cq, H]
-            q_block = jax.lax.dynamic_slice_in_dim(qt, i * cq, cq, axis=3)
-
-            def key_block(j, carry):
-                out, denom, row_max = carry
-                k_block, v_block = (jax.lax.dynamic_slice_in_dim(x, j * ck, ck, axis=2) for x in (kt, vt))
-                o, d, new_max = _attention_block(q_block, k_block, v_block, block_mask(i, j), row_max)
-                rescale = jnp.exp(row_max - new_max)  # the earlier blocks' terms, to the new max
-                return out * rescale[..., None] + o, denom * rescale + d, new_max
-
-            shape = q_block.shape[:-1]
-            init = (jnp.zeros((*shape, h), jnp.float32), jnp.zeros(shape, jnp.float32), jnp.full(shape, -1e30))
-            # causal: the key blocks up to the one holding this query block's last position
-            last = query_start + (i + 1) * cq - 1
-            visible = jnp.minimum(last // ck + 1, sp // ck) if causal else sp // ck
-            out, denom, _ = jax.lax.fori_loop(0, visible, key_block, init)
-            return out / jnp.maximum(denom, 1e-30)[..., None]
-
-        blocks = jax.lax.map(query_block, jnp.arange(tp // cq))  # [Tp / cq, B, K, G, cq, H]
-    out = jnp.transpose(blocks, (1, 0, 4, 2, 3, 5)).reshape(b, tp, n, h)  # query blocks back in order
-    return out[:, :t].astype(q.dtype)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -342,7 +204,7 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
 
-class Qwen3(nnx.Module):
+class Decoder(nnx.Module):
     """Decoder-only LM. `model(tokens)` is the plain causal forward; `layers` are exposed for cached paths."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):

@@ -1,0 +1,194 @@
+"""The jitted decode step around one step-input pytree, and what is static about an engine's steps.
+
+`StepInput` is everything a decode step reads per sequence row: the token fed, its position and role, the row's
+prompt length, and `MethodInputs`, what only some methods read (the tool the call being written calls, for PASK's
+release of the tools not called). `StepPlan` is everything static (model structure, method, budget, layer groups,
+kernel switch, mesh): hashable, so engines with equal plans share compiled steps. A decode step writes each row's
+new K/V into its group cache, attends to the cache (`pask_jax.attention`), keeps the method's running cap by
+evicting the entry it ranks lowest, then masks and samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from pask_jax.attention import decode_attention, decode_attention_probs
+from pask_jax.cache import GroupCache
+from pask_jax.kernels import per_row_shards
+from pask_jax.methods import KVMethod
+from pask_jax.methods.base import PrefillContext, allowance_capacity
+from pask_jax.models.decoder import ModelConfig
+from pask_jax.models.sharding import cache_axes, mesh_context
+from pask_jax.runtime.sampling import sample_masked
+from pask_jax.runtime.shapes import PREFILL_CHUNK
+from pask_jax.structure.roles import NO_TOOL
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MethodInputs:
+    """Per-row inputs only some methods read."""
+
+    called: jax.Array  # i32[B] the offered tool the row's call being written calls (NO_TOOL: not known yet)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """What one decode step feeds each sequence row (numpy on the host, placed by `Engine.place`)."""
+
+    tokens: jax.Array  # i32[B] the token fed
+    positions: jax.Array  # i32[B] its position
+    roles: jax.Array  # i32[B] its structural role
+    prompt_lengths: jax.Array  # i32[B] the row's prompt length
+    method_inputs: MethodInputs | None = None  # None: nothing a method reads besides the above
+
+    @classmethod
+    def first(cls, rows: int) -> StepInput:
+        """What an empty row is fed: token 0 at position 0, a prompt of one token, no tool called."""
+        zeros = np.zeros(rows, np.int32)
+        return cls(zeros, zeros, zeros, np.ones(rows, np.int32), MethodInputs(np.full(rows, NO_TOOL, np.int32)))
+
+    def called_tools(self) -> jax.Array:
+        """i32[B]: the tool each row's call calls (all NO_TOOL without method inputs)."""
+        if self.method_inputs is None:
+            return jnp.full(self.tokens.shape, NO_TOOL, jnp.int32)
+        return self.method_inputs.called
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything static about an engine's jitted prefill and decode step.
+
+    Hashable, so engines with the same model structure, method and budget share compiled functions.
+    """
+
+    graphdef: nnx.GraphDef
+    cfg: ModelConfig
+    method: KVMethod
+    groups: tuple[tuple[int, int], ...]
+    budget: float
+    fractions: tuple[float, ...]  # per layer: the share of the full length it may keep
+    use_kernel: bool
+    dtype: jnp.dtype
+    mesh: Mesh | None = None  # the device mesh its steps run on (None: one device)
+    prefill_chunk: int = PREFILL_CHUNK  # prompt positions per prefill chunk at most (`prefill_plans`)
+
+    def _layer_slot(self, layer: int) -> tuple[int, int]:
+        for g, (start, stop) in enumerate(self.groups):
+            if start <= layer < stop:
+                return g, layer - start
+        raise IndexError(layer)
+
+    def capacities(self, prompt_bucket: int, new_tokens: int) -> tuple[int, ...]:
+        """Slots per (layer, sequence, KV head) of each layer group: the largest need among its layers."""
+        full = prompt_bucket + new_tokens  # the allowance grows with the full length: its end bounds every step
+        return tuple(
+            max(allowance_capacity(self.allowance(layer, np.float64(full)), full) for layer in range(start, stop))
+            for start, stop in self.groups
+        )
+
+    def allowance(self, layer: int, full):
+        """The method's allowance for `layer` at full length `full` (before the floor)."""
+        return self.method.keep_allowance(self.fractions[layer], self.budget, full)
+
+    def empty_caches(self, batch: int, capacities: tuple[int, ...]) -> list[GroupCache]:
+        """One empty cache per layer group, `capacities[g]` slots per (layer, sequence, KV head)."""
+        cfg = self.cfg
+        axes = (None, None) if self.mesh is None else cache_axes(cfg.num_kv_heads, self.mesh.shape)
+        return [
+            GroupCache.empty(stop - start, batch, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype, axes)
+            for (start, stop), capacity in zip(self.groups, capacities, strict=True)
+        ]
+
+    def fill(self, kv, scores, ctx: PrefillContext, capacities: tuple[int, ...]):
+        """Keep each layer's best-scored prompt entries (up to its quota) in fresh caches -> caches, kept i32[B]."""
+        t = ctx.tokens.shape[1]
+        caches = self.empty_caches(ctx.tokens.shape[0], capacities)
+        for layer, (k, v) in enumerate(kv):
+            g, li = self._layer_slot(layer)
+            n_keep = min(t, capacities[g])
+            quota = jnp.maximum(jnp.floor(self.allowance(layer, ctx.lengths)).astype(jnp.int32), 1)  # i32[B]
+            ranked = jnp.where(ctx.valid[:, None], scores[layer], -jnp.inf)  # padding never kept
+            best = per_row_shards(lambda r, n=n_keep: jax.lax.top_k(r, n)[1].astype(jnp.int32), caches[g].axes)
+            keep = best(ranked)  # [B, K, n_keep], best first (on a mesh: each device ranks its own rows)
+            count = jnp.broadcast_to(jnp.minimum(quota, n_keep)[:, None], keep.shape[:2])
+            filled = caches[g].fill(li, k, v, ctx.positions, ctx.roles, keep, count, scores[layer], ctx.tools)
+            caches[g] = filled.constrain()
+        kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B]
+        return caches, kept
+
+    def decode(self, params, caches, step: StepInput, mask_bits, key, temperature, top_p):
+        """One token per sequence: write its K/V, attend to the cache, enforce the running cap, mask, sample."""
+        logits, caches, kept, overflow = self.decode_logits(params, caches, step)
+        next_tokens = sample_masked(logits, mask_bits, key, temperature, top_p)
+        return next_tokens, caches, kept, overflow
+
+    def decode_logits(self, params, caches, step: StepInput):
+        """`decode` before the mask and the sampler -> (logits f32[B, V], caches, kept i32[B], overflow bool[])."""
+        with mesh_context(self.mesh):
+            model = nnx.merge(self.graphdef, params)
+            b = step.tokens.shape[0]
+            kv_heads = self.cfg.num_kv_heads
+            caches = list(caches)
+            method = self.method
+            positions, roles = step.positions, step.roles
+            called = step.called_tools()
+
+            def attend(layer, q, k, v):
+                g, li = self._layer_slot(layer)
+                cache = caches[g].write(
+                    li,
+                    k[:, 0],
+                    v[:, 0],
+                    positions,
+                    roles,
+                    jnp.ones((b, kv_heads), bool),
+                    method.new_token_score(layer, positions, roles, kv_heads),
+                )
+                k_pool, v_pool, pos = cache.k[li], cache.v[li], cache.pos[li]
+                if method.needs_decode_attention:
+                    out, probs = decode_attention_probs(q[:, 0], k_pool, v_pool, pos)
+                    cache = dataclasses.replace(
+                        cache, score=cache.score.at[li].set(method.update_scores(layer, cache.score[li], probs))
+                    )
+                else:
+                    table, length = cache.table[li], cache.length[li]
+                    out = decode_attention(
+                        q[:, 0], k_pool, v_pool, pos, table, length, use_kernel=self.use_kernel, axes=cache.axes
+                    )
+                # Running cap after this token: floor(allowance(P + t)) entries per (layer, sequence, head).
+                cap = jnp.floor(self.allowance(layer, positions + 1)).astype(jnp.int32)  # i32[B]
+                over = cache.length[li] > cap[:, None]
+                priority = method.eviction_priority(
+                    layer, cache.score[li], cache.pos[li], cache.role[li], positions, step.prompt_lengths
+                )
+                priority = method.release_unchosen_tools(layer, priority, cache.pos[li], cache.tool[li], called)
+                priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)
+                caches[g] = cache.evict(li, jnp.argmin(priority, axis=-1).astype(jnp.int32), over).constrain()
+                return out[:, None]
+
+            hidden = model.forward(step.tokens[:, None], positions[:, None], attend)
+            logits = model.logits(hidden)[:, 0]
+            kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B] over layers and heads
+            overflow = jnp.stack([c.overflow for c in caches]).any()
+            return logits, caches, kept, overflow
+
+
+# One compiled function per static signature (plan, capacities / sampling); the caches are donated to each step.
+decode_jit = jax.jit(StepPlan.decode, static_argnums=(0, 6, 7), donate_argnums=(2,))
+decode_logits_jit = jax.jit(StepPlan.decode_logits, static_argnums=(0,), donate_argnums=(2,))
+empty_caches_jit = jax.jit(StepPlan.empty_caches, static_argnums=(0, 1, 2))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def insert_rows_jit(caches: list[GroupCache], new: list[GroupCache], rows: jax.Array) -> list[GroupCache]:
+    """Every group cache's rows `rows` (i32[b], past the batch: skipped) replaced by `new`'s b rows."""
+    return [cache.insert_rows(fresh, rows) for cache, fresh in zip(caches, new, strict=True)]
