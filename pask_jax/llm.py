@@ -7,7 +7,8 @@
 Requests are rendered with the checkpoint's own chat template and their tool calls (or JSON content) decoded under
 the grammar; under tool_choice "auto", a call the model wrote in its text answer (a ```json fence, bare JSON) that
 names a tool and validates against its schema is returned as a tool call too (`pask_jax.structure.call_parser`).
-`scheduler="continuous"` (the default, `pask_jax.scheduler`): requests that share sampling settings run
+Scheduling is `pask_jax.runtime.scheduler.Scheduler`'s; `LLM` prepares requests, builds their constraints and
+turns generations into completions. `scheduler="continuous"` (the default): requests that share sampling settings run
 through one cache of up to `max_batch` rows, in order; a row whose answer ends takes the next request at once, and
 `kv_memory_bytes` (if given) sets the row count (a method that keeps less gets more rows in the same memory).
 `scheduler="static"`: requests that share sampling settings and constrained-ness are length-sorted into micro-batches
@@ -19,7 +20,8 @@ CPU; a given model instance keeps its own unless one is named). `mesh`: a (`data
 `policy`: "auto" (PASK only) finds the shipped policy that fits the model by fingerprint; a directory loads that
 policy (refused if it fits another model); None runs PASK uncalibrated (recency with sinks).
 `grammar_backend`: "outlines" (ours: the schema translation of `pask_jax.structure.schema` and outlines-core) or
-"llguidance" (`pask_jax.structure.guidance`: llguidance's JSON Schema compiler; `pip install llguidance==1.9.1`);
+"llguidance" (`pask_jax.structure.guidance`: llguidance's JSON Schema compiler; `pip install llguidance==1.9.1`),
+chosen by name in `pask_jax.structure.backend.backend_for`;
 PASK's roles and its release of unchosen tools are the same under both.
 Sampling: `seed` applies per batch (requests with different seeds never share one); `stop` strings cut the
 returned text (the row still decodes to its end or its token limit).
@@ -27,7 +29,6 @@ returned text (the row still decodes to its end or its token limit).
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -45,18 +46,18 @@ from pask_jax.models.sharding import check_mesh
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
 from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError
+from pask_jax.runtime.batching import Job, MemoryLimitError
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.rows import Generation
 from pask_jax.runtime.sampling import SamplingConfig
-from pask_jax.runtime.scheduler import ContinuousBatcher, SequenceRequest, row_shape, rows_for_memory
+from pask_jax.runtime.scheduler import Scheduler
 from pask_jax.runtime.shapes import PREFILL_CHUNK
-from pask_jax.structure import FreeTextConstraint, GrammarConstraint, TokenConstraint
+from pask_jax.structure import FreeTextConstraint, TokenConstraint
 from pask_jax.structure.call_parser import parse_text_calls, split_grammar_calls
-from pask_jax.structure.guidance import GuidanceConstraint, GuidanceGrammar
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 DEFAULT_MAX_CONTEXT = 32768
-SCHEDULERS = ("continuous", "static")
+SCHEDULERS = Scheduler.MODES
 
 
 class LLM:
@@ -179,127 +180,57 @@ class LLM:
                 answers[i] = completion
         return answers
 
-    @staticmethod
-    def sampling_groups(prepared: Sequence[PreparedRequest], by_constraint: bool = False) -> list[list[int]]:
-        """Indices of requests that can share a batch: the same temperature, top-p and (when sampling) seed, and with
-        `by_constraint` the same constrained-ness; in input order."""
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(prepared):
-            r = p.request
-            key = (r.temperature, r.top_p, r.seed if r.temperature > 0 else 0)
-            groups.setdefault(key + ((p.grammar is not None,) if by_constraint else ()), []).append(i)
-        return list(groups.values())
+    def jobs(self, prepared: Sequence[PreparedRequest]) -> list[Job]:
+        """Prepared requests as the scheduler sees them (prompt, token limit, sampling settings, constrained-ness)."""
+        return [
+            Job(
+                p.ids,
+                p.request.max_tokens,
+                SamplingConfig(temperature=p.request.temperature, top_p=p.request.top_p, seed=p.request.seed),
+                p.grammar is not None,
+                p.roles,
+                p.tools,
+            )
+            for p in prepared
+        ]
+
+    def make_scheduler(self) -> Scheduler:
+        """The scheduler of this LLM's engine (built on first need) under its settings as they are now."""
+        return Scheduler(
+            lambda: self.engine,
+            self.scheduler,
+            max_batch=self.max_batch,
+            kv_memory_bytes=self.kv_memory_bytes,
+            overlap_grammar=self.overlap_grammar,
+            max_prefill_rows=self.max_prefill_rows,
+        )
 
     def micro_batches(self, prepared: Sequence[PreparedRequest]) -> list[list[int]]:
-        """Static batches: indices grouped by sampling settings and constrained-ness, length-sorted, at most
-        `max_batch` each."""
-        batches = []
-        for indices in self.sampling_groups(prepared, by_constraint=True):
-            indices.sort(key=lambda i: len(prepared[i].ids))
-            batch: list[int] = []
-            for i in indices:
-                if batch and (len(batch) == self.max_batch or not self._fits([prepared[j] for j in [*batch, i]])):
-                    batches.append(batch)
-                    batch = []
-                batch.append(i)
-            batches.append(batch)
-        return batches
-
-    def _fits(self, batch: Sequence[PreparedRequest]) -> bool:
-        """Whether a micro-batch's KV cache (its padded rows and buckets, this method's capacities) fits the limit."""
-        if self.kv_memory_bytes is None:
-            return True
-        shape = self.engine.batch_shape([len(p.ids) for p in batch], max(p.request.max_tokens for p in batch))
-        return self.engine.cache_bytes(shape) <= self.kv_memory_bytes
+        """Static batches (indices): grouped by sampling settings and constrained-ness, length-sorted, at most
+        `max_batch` each, each within `kv_memory_bytes` (`pask_jax.runtime.batching.micro_batches`)."""
+        return self.make_scheduler().micro_batches(self.jobs(prepared))
 
     def generate(self, prepared: Sequence[PreparedRequest]) -> Iterator[tuple[list[int], list[dict | Exception]]]:
-        """Run prepared requests: yields (indices, their completions) as they finish (continuous: one at a time;
-        static: a micro-batch at a time). A request whose cache alone exceeds `kv_memory_bytes` gets a RequestError
-        in place of its completion."""
-        if self.scheduler == "continuous":
-            yield from self._generate_continuous(prepared)
-            return
-        for indices in self.micro_batches(prepared):
-            batch = [prepared[i] for i in indices]
-            if len(batch) == 1 and (error := self._too_large(batch[0])) is not None:
-                yield indices, [error]
-                continue
-            yield indices, self._run(batch)
+        """Run prepared requests through the scheduler (`pask_jax.runtime.scheduler.Scheduler`): yields (indices,
+        their completions) as they finish (continuous: one at a time; static: a micro-batch at a time). A request
+        whose cache alone exceeds `kv_memory_bytes` gets a RequestError in place of its completion."""
 
-    def _too_large(self, p: PreparedRequest) -> RequestError | None:
-        """The error of a request whose KV cache alone (one row) exceeds `kv_memory_bytes`, else None."""
-        if self.kv_memory_bytes is None:
-            return None
-        need = self.engine.cache_bytes(self.engine.batch_shape([len(p.ids)], p.request.max_tokens))
-        if need <= self.kv_memory_bytes:
-            return None
-        return RequestError(f"its KV cache needs {need} bytes, over the limit of {self.kv_memory_bytes}")
+        def constraint(indices: list[int]) -> TokenConstraint:
+            return self._constraint([prepared[i] for i in indices])
 
-    def _generate_continuous(self, prepared: Sequence[PreparedRequest]) -> Iterator[tuple[list[int], list]]:
-        """Per sampling group, waves of requests (in order) through a `ContinuousBatcher`: a wave grows while one row
-        sized for all of its members fits the memory limit; the limit sets its row count."""
-        engine = self.engine
-        for group in self.sampling_groups(prepared):
-            waves: list[list[int]] = [[]]
-            for i in group:
-                if (error := self._too_large(prepared[i])) is not None:
-                    yield [i], [error]
-                elif self._rows([prepared[j] for j in [*waves[-1], i]]) < 1:
-                    waves.append([i])
-                else:
-                    waves[-1].append(i)
-            for wave in filter(None, waves):
-                batch = [prepared[i] for i in wave]
-                first = batch[0].request
-                sampling = SamplingConfig(temperature=first.temperature, top_p=first.top_p, seed=first.seed)
-                batcher = ContinuousBatcher(
-                    engine,
-                    self._rows(batch),
-                    sampling,
-                    overlap_grammar=self.overlap_grammar,
-                    max_prefill_rows=self.max_prefill_rows,
-                )
-                sequences = [
-                    SequenceRequest(p.ids, p.request.max_tokens, p.roles, self._constraint([p]), p.tools) for p in batch
-                ]
-                for k, generation in batcher.run(sequences):
-                    yield [wave[k]], [self.completion(batch[k], generation, int(time.time()))]
-
-    def _rows(self, batch: Sequence[PreparedRequest]) -> int:
-        """Rows of a continuous batch of these requests: `max_batch`, or fewer if the memory limit says so."""
-        if self.kv_memory_bytes is None:
-            return self.max_batch
-        sequences = [SequenceRequest(p.ids, p.request.max_tokens) for p in batch]
-        return rows_for_memory(self.engine, row_shape(self.engine, sequences, 1), self.kv_memory_bytes, self.max_batch)
+        for indices, results, created in self.make_scheduler().run(self.jobs(prepared), constraint):
+            completions = [
+                RequestError(str(r)) if isinstance(r, MemoryLimitError) else self.completion(prepared[i], r, created)
+                for i, r in zip(indices, results, strict=True)
+            ]
+            yield indices, completions
 
     def _constraint(self, batch: Sequence[PreparedRequest]) -> TokenConstraint:
-        """The constraint of requests that are all grammar-constrained (by one backend) or all free."""
+        """The constraint of requests that are all grammar-constrained (by the builder's backend) or all free."""
         vocab = self.engine.cfg.vocab_size
-        if isinstance(batch[0].grammar, GuidanceGrammar):
-            return GuidanceConstraint([p.grammar for p in batch], vocab)
         if batch[0].grammar is not None:
-            return GrammarConstraint([p.grammar for p in batch], vocab)
+            return self.builder.backend.constraint([p.grammar for p in batch], vocab)
         return FreeTextConstraint(len(batch), vocab, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
-
-    def _run(self, batch: list[PreparedRequest]) -> list[dict]:
-        engine, first = self.engine, batch[0].request
-        sampling = SamplingConfig(
-            max_new_tokens=max(p.request.max_tokens for p in batch),
-            temperature=first.temperature,
-            top_p=first.top_p,
-            seed=first.seed,
-        )
-        constraint = self._constraint(batch)
-        start = time.perf_counter()
-        generations = engine.generate(
-            [p.ids for p in batch],
-            sampling,
-            prompt_roles=[p.roles for p in batch],
-            prompt_tools=[p.tools for p in batch],
-            constraint=constraint,
-        )
-        created = int(time.time() - (time.perf_counter() - start))
-        return [self.completion(p, g, created) for p, g in zip(batch, generations, strict=True)]
 
     def _answers_with_calls(self, prepared: PreparedRequest, tokens: list[int]) -> bool:
         """Whether the grammar's call branch was taken: by the first token (an "auto" text answer may spell the

@@ -20,11 +20,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from pask_jax.arguments import GRAMMAR_BACKENDS
 from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.models.tokenizer import Tokenizer
-from pask_jax.structure import CompiledGrammar, compile_grammar, compile_json_grammar, parse_tools
-from pask_jax.structure.guidance import GuidanceGrammar, compile_guidance_grammar, compile_guidance_json_grammar
+from pask_jax.structure import parse_tools
+from pask_jax.structure.backend import Grammar, GrammarBackend, backend_for
 from pask_jax.structure.prompt_roles import TokenLabels, token_labels
 
 DEFAULT_MAX_TOKENS = 256
@@ -211,7 +210,7 @@ class PreparedRequest:
     text: str  # the rendered prompt, ending with the assistant turn's header
     ids: list[int]
     roles: list[int]  # one role id per prompt token
-    grammar: CompiledGrammar | GuidanceGrammar | None  # None: free text
+    grammar: Grammar | None  # None: free text; compiled by the builder's grammar backend
     tools: list[int] | None = None  # per prompt token, the grammar's tool it describes (None: no tool is described)
 
     @classmethod
@@ -221,7 +220,7 @@ class PreparedRequest:
         text: str,
         ids: list[int],
         labels: TokenLabels,
-        grammar: CompiledGrammar | GuidanceGrammar | None,
+        grammar: Grammar | None,
     ) -> PreparedRequest:
         """From the prompt's token labels: tools numbered as the grammar's callable functions."""
         names = grammar.function_names if grammar is not None else ()
@@ -233,7 +232,8 @@ class RequestBuilder:
     """Renders, tokenizes, labels and compiles requests for one tokenizer and chat template.
 
     `max_context`: prompt + max_tokens must fit (RequestError otherwise, before any device work). `grammar_backend`:
-    ``"outlines"`` (our schema translation and outlines-core) or ``"llguidance"`` (`structure.guidance`).
+    ``"outlines"`` (our schema translation and outlines-core) or ``"llguidance"`` (`structure.guidance`), chosen by
+    `structure.backend.backend_for` (`self.backend`: it compiles the grammars and gives their constraint).
     """
 
     def __init__(
@@ -244,10 +244,7 @@ class RequestBuilder:
         max_context: int | None = None,
         grammar_backend: str = "outlines",
     ):
-        if grammar_backend not in GRAMMAR_BACKENDS:
-            raise ValueError(
-                f"unknown grammar_backend {grammar_backend!r}; choose one of {', '.join(GRAMMAR_BACKENDS)}"
-            )
+        self.backend: GrammarBackend = backend_for(grammar_backend)
         self.tokenizer = tokenizer
         self.template = template
         self.max_context = max_context
@@ -255,7 +252,7 @@ class RequestBuilder:
 
     def parse(self, body: Any) -> ChatRequest:
         """`parse_request`, its tool schemas judged by this builder's grammar backend."""
-        return parse_request(body, check_schemas=self.grammar_backend == "outlines")
+        return parse_request(body, check_schemas=self.backend.checks_schemas)
 
     def check_length(self, ids: Sequence[int], max_tokens: int) -> None:
         if self.max_context is not None and len(ids) + max_tokens > self.max_context:
@@ -264,16 +261,14 @@ class RequestBuilder:
                 f"{self.max_context} tokens"
             )
 
-    def grammar(self, request: ChatRequest) -> CompiledGrammar | GuidanceGrammar | None:
-        guidance = self.grammar_backend == "llguidance"
+    def grammar(self, request: ChatRequest) -> Grammar | None:
+        """The request's grammar, compiled by this builder's backend (None: free text)."""
         if request.response_json:
-            compile_json = compile_guidance_json_grammar if guidance else compile_json_grammar
-            return compile_json(request.response_schema, self.tokenizer)
+            return self.backend.compile_json(request.response_schema, self.tokenizer)
         if not request.tools or request.tool_choice == "none":
             return None
         tools = [t for t in request.tools if request.forced_tool in (None, t["name"])]
-        compile_calls = compile_guidance_grammar if guidance else compile_grammar
-        return compile_calls(
+        return self.backend.compile_calls(
             tools, self.tokenizer, tool_choice=request.tool_choice, parallel=request.parallel_tool_calls
         )
 

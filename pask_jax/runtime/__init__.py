@@ -7,7 +7,9 @@ the decode rows and the schedulers (static micro-batches and continuous batching
 - `prefill.py`: the (chunked) prefill and the methods' choice of prompt entries.
 - `engine.py`: `Engine`: placement, lowering, precompile, prefill, decode steps, `generate`.
 - `rows.py`: `DecodeRows`, the one decode loop over a cache's rows, for static and continuous batching alike.
-- `scheduler.py`: `ContinuousBatcher` and the memory sums of rows.
+- `batching.py`: `Job` (a request as the schedulers see it), sampling groups, static micro-batches.
+- `scheduler.py`: `Scheduler` (static micro-batches or continuous waves), `ContinuousBatcher`, the memory sums of
+  rows.
 
 Attention itself lives in `pask_jax.attention`, the cache in `pask_jax.cache`.
 """

@@ -1,4 +1,5 @@
-"""Continuous batching: a fixed number of cache rows; a row whose sequence ends takes the next waiting request.
+"""Scheduling: `Scheduler` runs jobs as static micro-batches (`batching.py`) or by continuous batching: a fixed
+number of cache rows; a row whose sequence ends takes the next waiting request.
 
 Static batching (`Engine.generate`) prefills a batch together and decodes until its longest member ends, so short
 answers wait for long ones and a finished row's memory idles. `ContinuousBatcher` keeps one cache of `rows` rows at
@@ -27,12 +28,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 
 from pask_jax.memory import rows_fitting
+from pask_jax.runtime.batching import Job, MemoryLimitError, micro_batches, sampling_groups
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.rows import DecodeRows, Generation
 from pask_jax.runtime.sampling import SamplingConfig, mask_words
@@ -230,3 +232,119 @@ def admission_chunks(lengths: Sequence[int], data_size: int = 1, max_rows: int |
         chunks.append(order[:size])
         order = order[size:]
     return chunks
+
+
+class Scheduler:
+    """Orders and batches `Job`s on one engine, static or continuous; yields each job's `Generation` (or the
+    `MemoryLimitError` of a job whose cache alone exceeds `kv_memory_bytes`) as it ends.
+
+    `"continuous"`: per sampling group, waves of jobs (in order) through a `ContinuousBatcher`: a wave grows while
+    one row sized for all of its members fits the memory limit, which sets its row count (at most `max_batch`).
+    `"static"`: `batching.micro_batches` (length-sorted, at most `max_batch` rows whose KV cache fits the limit), each
+    run by `Engine.generate` until its longest answer ends. `engine`: the engine, or a function that builds it on
+    first need (the memory rules need it only under a limit). `overlap_grammar` and `max_prefill_rows`: the
+    `ContinuousBatcher`'s.
+    """
+
+    MODES = ("continuous", "static")
+
+    def __init__(
+        self,
+        engine: Engine | Callable[[], Engine],
+        mode: str = "continuous",
+        *,
+        max_batch: int = 8,
+        kv_memory_bytes: int | None = None,
+        overlap_grammar: bool | None = None,
+        max_prefill_rows: int | None = None,
+    ):
+        if mode not in self.MODES:
+            raise ValueError(f"unknown scheduler {mode!r}; choose from {', '.join(self.MODES)}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be >= 1")
+        self._engine, self.mode, self.max_batch, self.kv_memory_bytes = engine, mode, max_batch, kv_memory_bytes
+        self.overlap_grammar, self.max_prefill_rows = overlap_grammar, max_prefill_rows
+
+    @property
+    def engine(self) -> Engine:
+        if not isinstance(self._engine, Engine):
+            self._engine = self._engine()
+        return self._engine
+
+    def micro_batches(self, jobs: Sequence[Job]) -> list[list[int]]:
+        """The static batches of `jobs` (indices): `batching.micro_batches` under this memory limit."""
+        return micro_batches(jobs, self.max_batch, self.fits)
+
+    def fits(self, batch: Sequence[Job]) -> bool:
+        """Whether a micro-batch's KV cache (its padded rows and buckets, this method's capacities) fits the limit."""
+        if self.kv_memory_bytes is None:
+            return True
+        shape = self.engine.batch_shape([len(j.ids) for j in batch], max(j.max_new_tokens for j in batch))
+        return self.engine.cache_bytes(shape) <= self.kv_memory_bytes
+
+    def too_large(self, job: Job) -> MemoryLimitError | None:
+        """The error of a job whose KV cache alone (one row) exceeds `kv_memory_bytes`, else None."""
+        if self.kv_memory_bytes is None:
+            return None
+        need = self.engine.cache_bytes(self.engine.batch_shape([len(job.ids)], job.max_new_tokens))
+        if need <= self.kv_memory_bytes:
+            return None
+        return MemoryLimitError(f"its KV cache needs {need} bytes, over the limit of {self.kv_memory_bytes}")
+
+    def rows(self, batch: Sequence[Job]) -> int:
+        """Rows of a continuous batch of these jobs: `max_batch`, or fewer if the memory limit says so."""
+        if self.kv_memory_bytes is None:
+            return self.max_batch
+        sequences = [SequenceRequest(j.ids, j.max_new_tokens) for j in batch]
+        return rows_for_memory(self.engine, row_shape(self.engine, sequences, 1), self.kv_memory_bytes, self.max_batch)
+
+    def run(
+        self, jobs: Sequence[Job], constraint: Callable[[list[int]], TokenConstraint]
+    ) -> Iterator[tuple[list[int], list[Generation | MemoryLimitError], int]]:
+        """Yields (job indices, their generations or errors, the Unix second they date from: a static batch's start,
+        a continuous job's end) as they end. `constraint(indices)`: the constraint of those jobs' rows, built just
+        before they run (continuous: one job at a time; static: the batch)."""
+        if self.mode == "continuous":
+            yield from self._continuous(jobs, constraint)
+            return
+        for indices in self.micro_batches(jobs):
+            batch = [jobs[i] for i in indices]
+            if len(batch) == 1 and (error := self.too_large(batch[0])) is not None:
+                yield indices, [error], int(time.time())
+                continue
+            engine, rows_constraint = self.engine, constraint(indices)
+            sampling = dataclasses.replace(batch[0].sampling, max_new_tokens=max(j.max_new_tokens for j in batch))
+            start = time.perf_counter()
+            generations = engine.generate(
+                [j.ids for j in batch], sampling, prompt_roles=[j.roles for j in batch],
+                prompt_tools=[j.tools for j in batch], constraint=rows_constraint,
+            )  # fmt: skip
+            yield indices, generations, int(time.time() - (time.perf_counter() - start))
+
+    def _continuous(
+        self, jobs: Sequence[Job], constraint: Callable[[list[int]], TokenConstraint]
+    ) -> Iterator[tuple[list[int], list, int]]:
+        for group in sampling_groups(jobs):
+            waves: list[list[int]] = [[]]
+            for i in group:
+                if (error := self.too_large(jobs[i])) is not None:
+                    yield [i], [error], int(time.time())
+                elif self.rows([jobs[j] for j in [*waves[-1], i]]) < 1:
+                    waves.append([i])
+                else:
+                    waves[-1].append(i)
+            for wave in filter(None, waves):
+                batch = [jobs[i] for i in wave]
+                batcher = ContinuousBatcher(
+                    self.engine,
+                    self.rows(batch),
+                    batch[0].sampling,
+                    overlap_grammar=self.overlap_grammar,
+                    max_prefill_rows=self.max_prefill_rows,
+                )
+                sequences = [
+                    SequenceRequest(j.ids, j.max_new_tokens, j.roles, constraint([i]), j.tools)
+                    for i, j in zip(wave, batch, strict=True)
+                ]
+                for k, generation in batcher.run(sequences):
+                    yield [wave[k]], [generation], int(time.time())

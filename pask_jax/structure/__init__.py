@@ -13,11 +13,14 @@
   ``FreeTextConstraint`` (any text until EOS, with FREE_TEXT roles).
 - ``guidance``: the llguidance backend (``grammar_backend="llguidance"``): the same turns and roles, llguidance's
   JSON Schema compiler (``GuidanceGrammar``, ``GuidanceConstraint``); llguidance is imported only when used.
+- ``backend``: ``GrammarBackend``, the one interface of both (compile a turn's grammar, give its constraint), and
+  ``backend_for(name)``, the one place a backend is chosen.
 - ``prompt_roles``: the role of every prompt token.
 - ``call_parser``: calls an ``"auto"`` text answer writes (``<tool_call>`` blocks, ```json fences, bare JSON) ->
   OpenAI tool calls when they name a tool and validate against its schema (``parse_text_calls``); no JAX.
 """
 
+from pask_jax.structure.backend import Grammar, GrammarBackend, backend_for
 from pask_jax.structure.constraint import FreeTextConstraint, GrammarConstraint, TokenConstraint
 from pask_jax.structure.grammar import KINDS, CompiledGrammar, compile_grammar, compile_json_grammar
 from pask_jax.structure.prompt_roles import prompt_roles
@@ -36,11 +39,14 @@ __all__ = [
     "TOOL_CHOICES",
     "CompiledGrammar",
     "FreeTextConstraint",
+    "Grammar",
+    "GrammarBackend",
     "GrammarConstraint",
     "GrammarError",
     "GrammarVocabulary",
     "Role",
     "TokenConstraint",
+    "backend_for",
     "call_schema",
     "compile_grammar",
     "compile_json_grammar",

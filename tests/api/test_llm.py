@@ -229,7 +229,8 @@ def test_kv_memory_limit_admits_more_rows_for_a_smaller_cache(tiny_qwen_vocab, q
     assert [len(b) for b in full.micro_batches(prepared)] == [2, 2, 2, 2]
     snap = LLM(tiny_qwen_vocab, method="snapkv", budget=0.33, kv_memory_bytes=two_rows, **common)
     assert max(len(b) for b in snap.micro_batches(prepared)) > 2  # a third of the cache: more rows in the same bytes
-    assert full._rows(prepared[:2]) == 2 and snap._rows(prepared[:2]) > 2  # continuous rows: the same rule
+    rows = [llm.make_scheduler().rows(llm.jobs(prepared[:2])) for llm in (full, snap)]
+    assert rows[0] == 2 and rows[1] > 2  # continuous rows: the same rule
     tight = LLM(tiny_qwen_vocab, method="full", kv_memory_bytes=16, **common)
     with pytest.raises(RequestError, match="request 0: its KV cache needs"):
         tight.chat(bodies[0])

@@ -1,5 +1,6 @@
-"""Continuous batching on a tiny model: stop tokens, the grammar-free overlap switch, compiles, memory-sized rows,
-bad requests. (Token identity with static batching for every method: tests/methods/test_methods.py.)"""
+"""Scheduling (static micro-batches, continuous waves) and continuous batching on a tiny model: stop tokens, the
+grammar-free overlap switch, compiles, memory-sized rows, bad requests. (Token identity with static batching for
+every method: tests/methods/test_methods.py.)"""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ from flax import nnx
 
 from pask_jax.methods import make_method
 from pask_jax.models.decoder import Decoder, ModelConfig
+from pask_jax.runtime.batching import Job, MemoryLimitError, micro_batches, sampling_groups
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.sampling import SamplingConfig
-from pask_jax.runtime.scheduler import ContinuousBatcher, SequenceRequest, admission_chunks, row_shape, rows_for_memory
+from pask_jax.runtime.scheduler import (
+    ContinuousBatcher,
+    Scheduler,
+    SequenceRequest,
+    admission_chunks,
+    row_shape,
+    rows_for_memory,
+)
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 120], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [9] * 20, [3, 4]]
@@ -112,3 +121,29 @@ def test_admitted_requests_are_prefilled_longest_first_in_power_of_two_groups():
     assert admission_chunks(lengths, max_rows=3) == [[1, 5], [3, 0], [2, 4]]
     assert admission_chunks(lengths, data_size=2, max_rows=1) == [[1, 5], [3, 0], [2, 4]]
     assert admission_chunks([]) == []
+
+
+def test_static_batches_share_sampling_and_constrainedness_and_are_length_sorted():
+    greedy, hot = SamplingConfig(), SamplingConfig(temperature=0.7, seed=1)
+    shapes = [(5, greedy, False), (2, greedy, False), (3, hot, False), (1, greedy, True), (4, greedy, False)]
+    jobs = [Job([1] * n, 4, s, c) for n, s, c in shapes] + [Job([1] * 9, 4, SamplingConfig(seed=5))]  # greedy: any seed
+    assert sampling_groups(jobs) == [[0, 1, 3, 4, 5], [2]]
+    assert micro_batches(jobs, max_batch=2) == [[1, 4], [0, 5], [2], [3]]
+    unbuilt = Scheduler(lambda: pytest.fail("no memory limit: the engine is not needed"), "static", max_batch=2)
+    assert unbuilt.micro_batches(jobs) == [[1, 4], [0, 5], [2], [3]]
+    with pytest.raises(ValueError, match="unknown scheduler 'paged'"):
+        Scheduler(engine=lambda: None, mode="paged")
+
+
+def test_static_and_continuous_scheduling_agree_and_refuse_a_request_past_the_memory(model: Decoder):
+    engine = Engine(model, length_buckets=BUCKETS)
+    reference = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=6))
+    jobs = [Job(p, 6, roles=[0] * len(p)) for p in PROMPTS]
+    for mode in Scheduler.MODES:
+        out = {}
+        for indices, generations, _ in Scheduler(engine, mode, max_batch=2).run(jobs, lambda indices: None):
+            out.update(zip(indices, generations, strict=True))
+        assert [out[i].tokens for i in range(len(PROMPTS))] == [g.tokens for g in reference], mode
+    for mode in Scheduler.MODES:
+        results = [r for _, rs, _ in Scheduler(engine, mode, kv_memory_bytes=16).run(jobs, lambda i: None) for r in rs]
+        assert len(results) == len(jobs) and all(isinstance(r, MemoryLimitError) for r in results)

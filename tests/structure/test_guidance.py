@@ -10,10 +10,12 @@ import jsonschema
 import numpy as np
 import pytest
 
+from pask_jax.arguments import GRAMMAR_BACKENDS
 from pask_jax.llm import LLM
 from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.requests import RequestError
 from pask_jax.structure import GrammarConstraint, GrammarError, compile_grammar, compile_json_grammar
+from pask_jax.structure.backend import BACKENDS, backend_for
 from pask_jax.structure.guidance import GuidanceConstraint, compile_guidance_grammar, compile_guidance_json_grammar
 from pask_jax.structure.roles import NO_TOOL
 
@@ -141,6 +143,23 @@ def test_a_schema_llguidance_cannot_compile_names_the_tool(qwen_tok):
     with pytest.raises(GrammarError, match=r"tools\[1\] \('broken'\): llguidance cannot compile") as refused:
         compile_guidance_grammar([WEATHER, broken], qwen_tok)
     assert "\n" not in str(refused.value)  # one line
+
+
+def test_one_interface_chosen_by_name_decodes_only_its_own_grammars(qwen_tok):
+    assert tuple(BACKENDS) == GRAMMAR_BACKENDS  # the command line's names (JAX-free) are the backends'
+    with pytest.raises(ValueError, match="unknown grammar_backend 'xgrammar'"):
+        backend_for("xgrammar")
+    grammars = {}
+    for name, constraint_type in (("outlines", GrammarConstraint), ("llguidance", GuidanceConstraint)):
+        backend = backend_for(name)
+        grammars[name] = backend.compile_calls([WEATHER, ADD], qwen_tok, tool_choice="auto")
+        assert grammars[name].kind == "auto" and grammars[name].function_names == ("get_weather", "add")
+        assert type(backend.constraint([grammars[name]], VOCAB)) is constraint_type
+    ids = qwen_tok.encode(OUTPUTS[3][1])
+    walks = [_walk(backend_for(n).constraint([g], VOCAB), ids) for n, g in grammars.items()]
+    assert walks[0] == walks[1]
+    with pytest.raises(TypeError, match="'llguidance' cannot decode a CompiledGrammar"):
+        backend_for("llguidance").constraint([grammars["outlines"]], VOCAB)
 
 
 def test_llm_answers_under_either_backend(tiny_qwen_vocab, qwen_tok):
