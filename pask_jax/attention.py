@@ -4,10 +4,10 @@
   online softmax so a long prompt never materialises its T x S weights, and `reference_attention`, the one-block
   definition it and every cache path must match.
 - The weights the methods and calibration read: `attention_probs` (grouped by KV head), `grouped_logits`.
-- Decode over a layer's slot pool (`pask_jax.cache.GroupCache`): `decode_attention`, the XLA path (the whole pool
-  under the live mask, no gather) or, with `use_kernel`, the Pallas gather-attention kernel of the backend
-  (`pask_jax.kernels.gather_attention`, per shard on a mesh); `decode_attention_probs` also returns the weights
-  (H2O's accumulated attention), on the XLA path.
+- Decode over a layer of a group cache (`pask_jax.cache.GroupCache`): `decode_attention`, the XLA path (the slot and
+  block pools dequantized where they are quantized, under the live mask, no gather) or, with `use_kernel`, the
+  Pallas gather-attention kernel of the backend (`pask_jax.kernels.gather_attention`, per shard on a mesh);
+  `decode_attention_probs` also returns the weights (H2O's accumulated attention), on the XLA path.
 
 Axis letters: B batch, T query tokens, S key tokens, N query heads, K KV heads, G query heads per KV head (N = K * G),
 H head dim, C slots of a pool.
@@ -21,6 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pask_jax.cache import GroupCache
 from pask_jax.kernels import gather_attention, masked_softmax, per_row_shards
 
 
@@ -182,40 +183,54 @@ def pool_attention(
 
 def decode_attention(
     q: jax.Array,  # f[B, N, H] one query per sequence, RoPE applied
-    k: jax.Array,  # f[B, K, C, H] the layer's pool
-    v: jax.Array,  # f[B, K, C, H]
-    pos: jax.Array,  # i32[B, K, C] original position of each slot's token, -1 if free
-    table: jax.Array,  # i32[B, K, C] slot table: the first `length` entries are the live slots
-    length: jax.Array,  # i32[B, K]
+    cache: GroupCache,
+    layer: int,  # the layer's index inside the cache's group
     *,
     use_kernel: bool = False,
-    axes: tuple[str | None, str | None] = (None, None),  # mesh axes of the sequence and KV-head dimensions
 ) -> jax.Array:  # f[B, N, H]
-    """Decode attention of q to the live slots of one layer's pool.
+    """Decode attention of q to the live entries of one layer of a group cache: its slot pool and block pool.
 
-    `use_kernel`: the Pallas kernel of `jax.default_backend()` gathers the live slots the table names (on CPU the TPU
-    kernel, interpreted), per shard on an active mesh; otherwise XLA attends over the whole pool with the live mask.
+    XLA path: the pools dequantized inside the step (a no-op at full precision), laid end to end, and attended over
+    with the live mask (no gather). `use_kernel`: the Pallas kernel of `jax.default_backend()` gathers the live slots
+    the table names (on CPU the TPU kernel, interpreted), per shard on an active mesh; it reads full-precision slot
+    pools (a quantized or block-pooled cache takes the XLA path).
     """
     b, n, h = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = cache.pos.shape[2]
     qg = q.reshape(b, kv_heads, n // kv_heads, h)  # [B, K, G, H]
-    if use_kernel:
-        kernel = per_row_shards(functools.partial(gather_attention, use_kernel=True), axes)
-        out = kernel(qg, k, v, table, length)
+    if use_kernel and cache.storage.slots.full and cache.blocks is None:
+        kernel = per_row_shards(functools.partial(gather_attention, use_kernel=True), cache.axes)
+        out = kernel(qg, cache.k.codes[layer], cache.v.codes[layer], cache.table[layer], cache.length[layer])
     else:
-        out = pool_attention(qg, k, v, pos >= 0)
+        k, v, live = _pools(cache, layer)
+        out = pool_attention(qg, k, v, live)
     return out.reshape(b, n, h)
 
 
 def decode_attention_probs(
     q: jax.Array,  # f[B, N, H]
-    k: jax.Array,  # f[B, K, C, H]
-    v: jax.Array,  # f[B, K, C, H]
-    pos: jax.Array,  # i32[B, K, C], -1 if free
+    cache: GroupCache,
+    layer: int,
 ) -> tuple[jax.Array, jax.Array]:  # f[B, N, H], f32[B, K, G, C]
-    """`decode_attention` on the XLA path that also returns the weights (zeros on free slots)."""
+    """`decode_attention` on the XLA path that also returns the weights over the slot pool (zeros on free slots),
+    for methods that accumulate attention (H2O); a cache with a block pool has no per-slot weights to give."""
+    if cache.blocks is not None:
+        raise ValueError("attention weights per slot are not defined for a cache with a block pool")
     b, n, h = q.shape
+    k, v = cache.slot_kv(layer)
     kv_heads = k.shape[1]
-    probs = pool_attention_probs(q.reshape(b, kv_heads, n // kv_heads, h), k, pos >= 0)
+    probs = pool_attention_probs(q.reshape(b, kv_heads, n // kv_heads, h), k, cache.pos[layer] >= 0)
     out = jnp.einsum("BKGC,BKCH->BKGH", probs.astype(v.dtype), v).astype(q.dtype)
     return out.reshape(b, n, h), probs
+
+
+def _pools(cache: GroupCache, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's keys, values f[B, K, S, H] and live mask bool[B, K, S]: the slot pool, then the block pool."""
+    k, v = cache.slot_kv(layer)
+    live = cache.pos[layer] >= 0
+    if cache.blocks is None:
+        return k, v, live
+    block_k, block_v = cache.blocks.dequantized(layer)
+    block_live = cache.blocks.live(layer).reshape(live.shape[0], live.shape[1], -1)
+    join = lambda a, c: jnp.concatenate([a.astype(jnp.float32), c.astype(jnp.float32)], axis=2)  # noqa: E731
+    return join(k, block_k).astype(k.dtype), join(v, block_v).astype(v.dtype), jnp.concatenate([live, block_live], 2)

@@ -17,6 +17,11 @@ never depend on data. Which slots are live is ragged per (layer, sequence, KV he
 - `score` holds the method's keep-priority of each entry (attention mass, recency, policy priority...);
   the engine evicts the live entry the method ranks lowest.
 
+Entries are stored in the format `storage.slots` says (`pask_jax.storage`): full precision, or per-token codes with
+their scales, quantized as they are written. With `storage.blocks`, the group also has a block pool
+(`pask_jax.block_pool`): low-precision entries a block at a time, entering at prefill (the oldest whole blocks of
+the kept prompt) or by `take_down` (the oldest slot entries going down, KIVI's window flush).
+
 Every array carries a leading layer axis Lg (the group's layers); `layer` arguments index it.
 
 On a device mesh, `axes` names the mesh axes of the sequence and KV-head dimensions (None: whole); `constrain` lays
@@ -32,6 +37,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from pask_jax.block_pool import BlockPool
+from pask_jax.kernels.quantize import QuantizedBlock, dequantize, quantize
+from pask_jax.storage import Storage
 
 
 def _set_slots(
@@ -58,23 +67,25 @@ def _set_slots(
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class GroupCache:
-    """Slot pool of one layer group."""
+    """Slot pool of one layer group, and its block pool when the storage has one."""
 
-    k: jax.Array  # f[Lg, B, K, C, H]
-    v: jax.Array  # f[Lg, B, K, C, H]
+    k: QuantizedBlock  # codes f[Lg, B, K, C, H] at full precision, else the slot format's codes and scales
+    v: QuantizedBlock  # as k
     pos: jax.Array  # i32[Lg, B, K, C]   original position of the slot's token, -1 if free
-    role: jax.Array  # i32[Lg, B, K, C]  structural role id of the slot's token
-    tool: jax.Array  # i32[Lg, B, K, C]  index of the offered tool the slot's prompt token describes, -1 if none
+    role: jax.Array  # i8[Lg, B, K, C]   structural role id of the slot's token
+    tool: jax.Array  # i16[Lg, B, K, C]  index of the offered tool the slot's prompt token describes, -1 if none
     score: jax.Array  # f32[Lg, B, K, C] the method's keep-priority of the slot's entry
     table: jax.Array  # i32[Lg, B, K, C] slot permutation: first `length` live, rest free
     length: jax.Array  # i32[Lg, B, K]    live slots
     overflow: jax.Array  # bool[]          a write found no free slot (the engine raises)
-    # mesh axes of the sequence and KV-head dimensions (static: part of the tree structure)
+    blocks: BlockPool | None = None  # the low-precision block pool (`storage.blocks`), None without one
+    # static (part of the tree structure): how K/V are stored; mesh axes of the sequence and KV-head dimensions
+    storage: Storage = dataclasses.field(default=Storage(), metadata=dict(static=True))
     axes: tuple[str | None, str | None] = dataclasses.field(default=(None, None), metadata=dict(static=True))
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.pos.shape[3]
 
     @classmethod
     def empty(
@@ -86,28 +97,37 @@ class GroupCache:
         head_dim: int,
         dtype,
         axes: tuple[str | None, str | None] = (None, None),
+        storage: Storage = Storage(),
+        blocks: int = 0,
     ) -> GroupCache:
+        """An empty cache: `capacity` slots and, with a block pool, `blocks` blocks per (layer, sequence, head)."""
         shape = (layers, batch, kv_heads, capacity)
+        kv = quantize(jnp.zeros((*shape, head_dim), dtype), storage.slots)
         return cls(
-            k=jnp.zeros((*shape, head_dim), dtype),
-            v=jnp.zeros((*shape, head_dim), dtype),
+            k=kv,
+            v=kv,
             pos=jnp.full(shape, -1, jnp.int32),
-            role=jnp.zeros(shape, jnp.int32),
-            tool=jnp.full(shape, -1, jnp.int32),
+            role=jnp.zeros(shape, jnp.int8),
+            tool=jnp.full(shape, -1, jnp.int16),
             score=jnp.zeros(shape, jnp.float32),
             table=jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), shape),
             length=jnp.zeros(shape[:-1], jnp.int32),
             overflow=jnp.zeros((), bool),
+            blocks=None
+            if storage.blocks is None
+            else BlockPool.empty(layers, batch, kv_heads, max(blocks, 1), head_dim, storage.blocks),
+            storage=storage,
             axes=axes,
         ).constrain()
 
     def partition_specs(self) -> GroupCache:
         """The PartitionSpec of every array, as a GroupCache (sequence and KV-head dimensions per `axes`)."""
         rows = (None, *self.axes)  # [Lg, B, K]
+        per_slot = jax.tree.map(lambda x: P(*rows, *([None] * (x.ndim - 3))), self.k)
         return dataclasses.replace(
             self,
-            k=P(*rows, None, None),
-            v=P(*rows, None, None),
+            k=per_slot,
+            v=per_slot,
             pos=P(*rows, None),
             role=P(*rows, None),
             tool=P(*rows, None),
@@ -115,6 +135,7 @@ class GroupCache:
             table=P(*rows, None),
             length=P(*rows),
             overflow=P(),
+            blocks=None if self.blocks is None else self.blocks.partition_specs(self.axes),
         )
 
     def constrain(self) -> GroupCache:
@@ -125,6 +146,13 @@ class GroupCache:
             jax.lax.with_sharding_constraint, self, self.partition_specs(), is_leaf=lambda x: isinstance(x, P)
         )
 
+    def slot_kv(self, layer: int) -> tuple[jax.Array, jax.Array]:  # f[B, K, C, H] each
+        """One layer's slot-pool keys and values as attention reads them (dequantized unless full precision)."""
+        if self.storage.slots.full:
+            return self.k.codes[layer], self.v.codes[layer]
+        fmt = self.storage.slots
+        return (dequantize(jax.tree.map(lambda x: x[layer], kv), fmt) for kv in (self.k, self.v))
+
     def fill(
         self,
         layer: int,
@@ -132,32 +160,56 @@ class GroupCache:
         v: jax.Array,  # f[B, P, K, H]
         positions: jax.Array,  # i32[B, P]
         roles: jax.Array,  # i32[B, P]
-        keep: jax.Array,  # i32[B, K, n] prompt indices to keep, n <= C
+        keep: jax.Array,  # i32[B, K, n] prompt indices to keep, n <= C (+ the block pool's entries)
         count: jax.Array,  # i32[B, K] how many of `keep` are real (the rest is padding)
         scores: jax.Array | None = None,  # f32[B, K, P] the method's prefill scores
         tools: jax.Array | None = None,  # i32[B, P] the tool each prompt token describes (None: none)
     ) -> GroupCache:
-        """Load the kept prompt entries of one layer into slots 0..count-1 (the cache must be empty)."""
-        n = keep.shape[-1]
-        if n > self.capacity:
-            raise ValueError(f"keeping {n} prompt entries per head exceeds the group capacity {self.capacity}")
+        """Load the kept prompt entries of one layer (the cache must be empty): into slots 0..count-1, or with a
+        block pool the oldest whole blocks of them into blocks and the rest into slots."""
         kept_k = jnp.take_along_axis(k.transpose(0, 2, 1, 3), keep[..., None], axis=2)  # [B, K, n, H]
         kept_v = jnp.take_along_axis(v.transpose(0, 2, 1, 3), keep[..., None], axis=2)
-        live = jnp.arange(n) < count[..., None]  # [B, K, n]
-        kept_pos = jnp.where(live, jnp.take_along_axis(positions[:, None], keep, axis=2), -1)
+        kept_pos = jnp.take_along_axis(positions[:, None], keep, axis=2)  # [B, K, n]
         kept_role = jnp.take_along_axis(roles[:, None], keep, axis=2)
         kept_tool = (
             jnp.full(keep.shape, -1, jnp.int32) if tools is None else jnp.take_along_axis(tools[:, None], keep, 2)
         )
         kept_score = jnp.zeros(keep.shape, jnp.float32) if scores is None else jnp.take_along_axis(scores, keep, axis=2)
+        kept = [kept_k, kept_v, kept_pos, kept_role, kept_tool, kept_score]
+        cache = self
+        if self.blocks is not None:  # oldest first: whole blocks of them go down, the newest stay in slots
+            n, block = keep.shape[-1], self.storage.block
+            order = jnp.argsort(jnp.where(jnp.arange(n) < count[..., None], kept_pos, jnp.iinfo(jnp.int32).max))
+            kept = [jnp.take_along_axis(x, order if x.ndim == 3 else order[..., None], axis=2) for x in kept]
+            whole = min(n // block, self.blocks.blocks)  # blocks the static shapes can fill
+            blocks = jnp.minimum(count // block, whole)  # i32[B, K]
+            down = whole * block
+            cache = dataclasses.replace(
+                self, blocks=self.blocks.fill(layer, *(x[:, :, :down] for x in kept[:4]), blocks)
+            )
+            rest = blocks * block + jnp.arange(min(n, self.capacity))[None, None]  # [B, K, c] the entries left
+            kept = [
+                jnp.take_along_axis(
+                    x, jnp.minimum(rest, n - 1) if x.ndim == 3 else jnp.minimum(rest, n - 1)[..., None], 2
+                )
+                for x in kept
+            ]
+            count = count - blocks * block
+        kept_k, kept_v, kept_pos, kept_role, kept_tool, kept_score = kept
+        n = keep.shape[-1] if self.blocks is None else kept_pos.shape[-1]
+        if n > self.capacity:
+            raise ValueError(f"keeping {n} prompt entries per head exceeds the group capacity {self.capacity}")
+        live = jnp.arange(n) < count[..., None]  # [B, K, n]
+        fmt = self.storage.slots
+        put = lambda pool, new: pool.at[layer, :, :, :n].set(new.astype(pool.dtype))  # noqa: E731
         return dataclasses.replace(
-            self,
-            k=self.k.at[layer, :, :, :n].set(kept_k.astype(self.k.dtype)),
-            v=self.v.at[layer, :, :, :n].set(kept_v.astype(self.v.dtype)),
-            pos=self.pos.at[layer, :, :, :n].set(kept_pos),
-            role=self.role.at[layer, :, :, :n].set(kept_role),
-            tool=self.tool.at[layer, :, :, :n].set(kept_tool),
-            score=self.score.at[layer, :, :, :n].set(kept_score.astype(jnp.float32)),
+            cache,
+            k=jax.tree.map(put, self.k, quantize(kept_k.astype(self.k.codes.dtype if fmt.full else jnp.float32), fmt)),
+            v=jax.tree.map(put, self.v, quantize(kept_v.astype(self.v.codes.dtype if fmt.full else jnp.float32), fmt)),
+            pos=put(self.pos, jnp.where(live, kept_pos, -1)),
+            role=put(self.role, kept_role),
+            tool=put(self.tool, kept_tool),
+            score=put(self.score, kept_score.astype(jnp.float32)),
             length=self.length.at[layer].set(count),
         )
 
@@ -178,13 +230,23 @@ class GroupCache:
         write = enter & ~full
         slot = jnp.where(write, slot[..., 0], self.capacity)  # out of range: the scatter drops it
         per_head = slot.shape  # (B, K)
+
+        def store(pool: QuantizedBlock, x: jax.Array) -> QuantizedBlock:  # x f[B, K, H] -> the slot format
+            new = quantize(x[:, :, None].astype(pool.codes.dtype if fmt.full else jnp.float32), fmt)
+            return jax.tree.map(
+                lambda p, n: _set_slots(p, layer, slot, n[:, :, 0].astype(p.dtype), self.axes), pool, new
+            )
+
+        fmt = self.storage.slots
         return dataclasses.replace(
             self,
-            k=_set_slots(self.k, layer, slot, k.astype(self.k.dtype), self.axes),
-            v=_set_slots(self.v, layer, slot, v.astype(self.v.dtype), self.axes),
+            k=store(self.k, k),
+            v=store(self.v, v),
             pos=_set_slots(self.pos, layer, slot, jnp.broadcast_to(position[:, None], per_head), self.axes),
-            role=_set_slots(self.role, layer, slot, jnp.broadcast_to(role[:, None], per_head), self.axes),
-            tool=_set_slots(self.tool, layer, slot, jnp.full(per_head, -1, jnp.int32), self.axes),  # generated
+            role=_set_slots(
+                self.role, layer, slot, jnp.broadcast_to(role[:, None], per_head).astype(jnp.int8), self.axes
+            ),
+            tool=_set_slots(self.tool, layer, slot, jnp.full(per_head, -1, jnp.int16), self.axes),  # generated
             score=self.score if score is None else _set_slots(self.score, layer, slot, score, self.axes),
             length=self.length.at[layer].add(write.astype(jnp.int32)),
             overflow=self.overflow | jnp.any(enter & full),
@@ -207,19 +269,47 @@ class GroupCache:
             pos=_set_slots(self.pos, layer, jnp.where(do, slot, drop), jnp.full(slot.shape, -1, jnp.int32), self.axes),
         )
 
+    def take_down(self, layer: int, do: jax.Array) -> GroupCache:
+        """Move the `block` oldest live slot entries of each (sequence, head) in `do` (bool[B, K]) into a free block
+        of the block pool (keys re-quantized per channel over the block): KIVI's flush of its full-precision
+        window. Where fewer than `block` slots are live, or no block is free, nothing moves."""
+        blocks, block = self.blocks, self.storage.block
+        do = do & (self.length[layer] >= block) & (blocks.count[layer] < blocks.blocks)
+        pos = self.pos[layer]  # [B, K, C]
+        oldest = jnp.argsort(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max), axis=-1)[..., :block]  # [B, K, T]
+        k, v = self.slot_kv(layer)
+        picked = [jnp.take_along_axis(x, oldest[..., None], axis=2) for x in (k, v)]  # f[B, K, T, H]
+        picked_pos, picked_role = (jnp.take_along_axis(x[layer], oldest, axis=2) for x in (self.pos, self.role))
+        blocks = blocks.append(layer, *picked, picked_pos, picked_role.astype(jnp.int32), do)
+        rows, heads = jnp.arange(pos.shape[0])[:, None, None], jnp.arange(pos.shape[1])[None, :, None]
+        freed = self.pos.at[layer, rows, heads, jnp.where(do[..., None], oldest, self.capacity)].set(-1, mode="drop")
+        # the table keeps its live slots first, in the order they entered: a stable sort on "freed"
+        table = self.table[layer]
+        order = jnp.argsort(jnp.take_along_axis(freed[layer], table, axis=-1) < 0, axis=-1, stable=True)
+        table = jnp.where(do[..., None], jnp.take_along_axis(table, order, axis=-1), table)
+        return dataclasses.replace(
+            self,
+            blocks=blocks,
+            pos=freed,
+            table=self.table.at[layer].set(table),
+            length=self.length.at[layer].add(-block * do.astype(jnp.int32)),
+        )
+
     def insert_rows(self, other: GroupCache, rows: jax.Array) -> GroupCache:
-        """Replace sequence rows `rows` (i32[b]) with `other`'s b rows (same layers, heads and capacity), as a
-        continuous batcher places freshly prefilled requests; a row index past the batch is skipped (padding)."""
-        if other.k.shape[0] != self.k.shape[0] or other.k.shape[2:] != self.k.shape[2:]:
-            raise ValueError(f"cannot insert rows of a {other.k.shape} pool into a {self.k.shape} one")
+        """Replace sequence rows `rows` (i32[b]) with `other`'s b rows (same layers, heads, capacity and storage), as
+        a continuous batcher places freshly prefilled requests; a row index past the batch is skipped (padding)."""
+        if other.pos.shape[0] != self.pos.shape[0] or other.pos.shape[2:] != self.pos.shape[2:]:
+            raise ValueError(f"cannot insert rows of a {other.pos.shape} pool into a {self.pos.shape} one")
+        if other.storage != self.storage:
+            raise ValueError(f"cannot insert rows stored as {other.storage} into a cache stored as {self.storage}")
 
         def put(x: jax.Array, y: jax.Array) -> jax.Array:  # axis 1 is the sequence in every per-row array
             return x.at[:, rows].set(y, mode="drop")
 
-        fields = ("k", "v", "pos", "role", "tool", "score", "table", "length")
+        fields = ("k", "v", "pos", "role", "tool", "score", "table", "length", "blocks")
         return dataclasses.replace(
             self,
-            **{name: put(getattr(self, name), getattr(other, name)) for name in fields},
+            **{name: jax.tree.map(put, getattr(self, name), getattr(other, name)) for name in fields},
             overflow=self.overflow | other.overflow,
         ).constrain()
 

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pask_jax.storage import Storage
+
 SLACK = 1  # the token being written: the running cap is kept(t) <= b * full(t) + SLACK per (layer, head)
 PROTECTED = 1e30  # priority of entries a method never evicts while others remain
 
@@ -61,6 +63,10 @@ class KVMethod:
     needs_decode_attention: ClassVar[bool] = False  # True: decode computes attention weights for `update_scores`
     needs_roles: ClassVar[bool] = False  # True: token roles decide what it keeps (generation without any is an error)
     needs_prefill_attention: ClassVar[bool] = False  # True: `prefill_observe` sees each prompt chunk's queries, keys
+
+    def storage(self, budget: float, head_dim: int) -> Storage | None:
+        """The storage this method needs at `budget` (KIVI: its block pool), or None: any the engine is given."""
+        return None
 
     def layer_fractions(self, num_layers: int, budget: float) -> np.ndarray:
         return np.full(num_layers, budget)

@@ -43,6 +43,7 @@ from pask_jax.runtime.shapes import (
     DEFAULT_LENGTH_BUCKETS,
     PREFILL_CHUNK,
     BatchShape,
+    Capacity,
     length_bucket,
     new_token_bucket,
     padded_batch,
@@ -56,6 +57,7 @@ from pask_jax.runtime.step import (
     empty_caches_jit,
     insert_rows_jit,
 )
+from pask_jax.storage import Storage, full_entry_bytes
 from pask_jax.structure.constraint import TokenConstraint
 from pask_jax.structure.roles import NO_TOOL
 
@@ -89,6 +91,9 @@ class Engine:
     (in place, so engines over one model share them). None: one device, as without sharding.
     Weights, activations and cache take the model's dtype (`load_model(..., dtype=)`).
     `prefill_chunk`: prompts longer than this many positions are prefilled in equal chunks of at most this many.
+    `storage`: how the cache stores K/V (`pask_jax.storage.Storage`: bf16 by default, or int8 / fp8 / int4 per
+    token); a method that chooses its own (KIVI's block pool) takes no other. The budget counts bytes
+    (`runtime.budget`).
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class Engine:
         max_context: int | None = None,
         mesh: Mesh | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        storage: Storage | None = None,
     ):
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"budget={budget} must be in (0, 1]")
@@ -118,6 +124,10 @@ class Engine:
         graphdef, self.params = nnx.split(model)
         self.method = method = method or FullKV()
         self.budget = budget
+        own = method.storage(budget, cfg.head_dim)
+        if own is not None and storage is not None and storage != own:
+            raise ValueError(f"method {method.name!r} chooses its own storage ({own.name}); it takes no other")
+        self.storage = storage or own or Storage()
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.length_buckets = tuple(sorted(length_buckets))
         self.max_context = max_context
@@ -135,13 +145,14 @@ class Engine:
             dtype=model.embed.embedding.dtype,
             mesh=mesh,
             prefill_chunk=prefill_chunk,
+            storage=self.storage,
         )
 
     @property
     def fractions(self) -> tuple[float, ...]:
         return self.plan.fractions
 
-    def capacities(self, prompt_bucket: int, new_tokens: int) -> tuple[int, ...]:
+    def capacities(self, prompt_bucket: int, new_tokens: int) -> tuple[Capacity, ...]:
         return self.plan.capacities(prompt_bucket, new_tokens)
 
     def batch_shape(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> BatchShape:
@@ -251,7 +262,7 @@ class Engine:
         tokens: np.ndarray,
         lengths: np.ndarray,
         roles: np.ndarray,
-        capacities: tuple[int, ...],
+        capacities: tuple[Capacity, ...],
         tools: np.ndarray | None = None,
     ):
         """Jitted prefill of right-padded prompts -> (last-token logits, caches, kept entries per sequence).
@@ -298,7 +309,7 @@ class Engine:
         with mesh_context(self.mesh):
             return insert_rows_jit(caches, new, jnp.asarray(rows, jnp.int32))
 
-    def empty_caches(self, rows: int, capacities: tuple[int, ...]) -> list[GroupCache]:
+    def empty_caches(self, rows: int, capacities: tuple[Capacity, ...]) -> list[GroupCache]:
         """Empty caches of `rows` rows (a multiple of the mesh's data size) at `capacities`, laid out as the steps
         take them."""
         with mesh_context(self.mesh):
@@ -362,11 +373,11 @@ class Engine:
             on_step(StepTiming(0, prefill_s, prefill_s))
         n, cfg = shape.rows, self.cfg
         rows = DecodeRows(
-            self, shape.padded_rows, cfg.vocab_size, cfg.num_layers * cfg.num_kv_heads, sampling, shape.capacities,
-            on_step=on_step,
+            self, shape.padded_rows, cfg.vocab_size, cfg.num_layers * cfg.num_kv_heads, full_entry_bytes(cfg.head_dim),
+            sampling, shape.capacities, on_step=on_step,
         )  # fmt: skip
         origin = time.perf_counter() - prefill_s
-        rows.admit(range(n), range(n), lengths[:n], [sampling.max_new_tokens] * n, logits, np.asarray(kept),
+        rows.admit(range(n), range(n), lengths[:n], [sampling.max_new_tokens] * n, logits, kept,
                    constraint, origin)  # fmt: skip
         generations: dict[int, Generation] = dict(rows.release())
         while rows.live:

@@ -14,12 +14,12 @@ from flax import nnx
 from pask_jax.attention import attention, attention_probs
 from pask_jax.methods.base import PrefillContext
 from pask_jax.models.sharding import constrain, mesh_context
-from pask_jax.runtime.shapes import prefill_chunks
+from pask_jax.runtime.shapes import Capacity, prefill_chunks
 from pask_jax.runtime.step import StepPlan
 
 
 def prefill_plans(
-    plans: tuple[StepPlan, ...], params, tokens, lengths, roles, tools, capacities: tuple[tuple[int, ...], ...]
+    plans: tuple[StepPlan, ...], params, tokens, lengths, roles, tools, capacities: tuple[tuple[Capacity, ...], ...]
 ):
     """A causal forward over the prompts, then every plan's method picks what its own caches keep.
 

@@ -26,7 +26,9 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from pask_jax.runtime.budget import Kept
 from pask_jax.runtime.sampling import SamplingConfig, mask_words
+from pask_jax.runtime.shapes import Capacity
 from pask_jax.runtime.step import MethodInputs, StepInput
 from pask_jax.structure.constraint import TokenConstraint
 from pask_jax.structure.roles import NO_TOOL
@@ -39,6 +41,7 @@ class RequestStats:
     ttft_s: float = 0.0  # prefill + first token, seen on the host
     token_times_s: list[float] = dataclasses.field(default_factory=list)  # wall time of each decode step
     kept_ratios: list[float] = dataclasses.field(default_factory=list)  # kept/full KV entries after each step
+    kv_bytes_ratios: list[float] = dataclasses.field(default_factory=list)  # held/full bf16 KV bytes after each step
 
     @property
     def kept_ratio_mean(self) -> float:
@@ -47,6 +50,14 @@ class RequestStats:
     @property
     def kept_ratio_max(self) -> float:
         return float(np.max(self.kept_ratios)) if self.kept_ratios else 1.0
+
+    @property
+    def kv_bytes_ratio_mean(self) -> float:
+        return float(np.mean(self.kv_bytes_ratios)) if self.kv_bytes_ratios else 1.0
+
+    @property
+    def kv_bytes_ratio_max(self) -> float:
+        return float(np.max(self.kv_bytes_ratios)) if self.kv_bytes_ratios else 1.0
 
 
 @dataclasses.dataclass
@@ -114,7 +125,8 @@ class _Group:
 class DecodeRows:
     """The rows of one cache and the loop that decodes them (see the module docstring).
 
-    `width` rows (the cache's padded batch), `num_layers * num_kv_heads` entries per token for the kept ratios;
+    `width` rows (the cache's padded batch), `num_layers * num_kv_heads` entries per token for the kept ratios
+    (and `full_entry_bytes` bytes each in the budget's bf16 reference, for the byte ratios);
     `overlap_grammar`: dispatch the step first and build the masks while it runs (`Engine.decode_logits`), else
     build them first and run the fused step that samples too (`Engine.decode_step`).
     """
@@ -125,14 +137,16 @@ class DecodeRows:
         width: int,
         vocab_size: int,
         entries_per_token: int,
+        full_entry_bytes: int,
         sampling: SamplingConfig,
-        capacities: tuple[int, ...],
+        capacities: tuple[Capacity, ...],
         *,
         overlap_grammar: bool = False,
         on_step: StepCallback | None = None,
     ):
         self.engine, self.width, self.sampling, self.capacities = engine, width, sampling, capacities
         self.words, self.entries_per_token = mask_words(vocab_size), entries_per_token
+        self.full_token_bytes = entries_per_token * full_entry_bytes  # bytes of one token's K/V in bf16, all layers
         self.overlap_grammar, self.on_step = overlap_grammar, on_step
         self.key = jax.random.key(sampling.seed)
         self.slots: list[_Row | None] = [None] * width
@@ -160,14 +174,15 @@ class DecodeRows:
         prompt_lengths: Sequence[int],
         max_new_tokens: Sequence[int],
         logits: jax.Array,
-        kept: np.ndarray,
+        kept: Kept,
         constraints: TokenConstraint | Sequence[TokenConstraint | None] | None,
         origin: float,
     ) -> None:
         """Requests `indices` enter rows `slots` (free ones), prefilled together already: `logits` f32[b', V] of
-        their padded prefill (row k: request k), `kept` i32[b] entries each kept. `constraints`: one covering all
-        these rows (or None), or one per row. Their first tokens are sampled now, in one draw; `ttft_s` counts from
-        `origin` (a `time.perf_counter()` value)."""
+        their padded prefill (row k: request k), `kept` the entries and bytes each holds. `constraints`: one
+        covering all these rows (or None), or one per row. Their first tokens are sampled now, in one draw;
+        `ttft_s` counts from `origin` (a `time.perf_counter()` value)."""
+        entries, held = _on_host(kept)
         if constraints is None or isinstance(constraints, TokenConstraint):
             groups = [_Group(constraints, list(slots), len(slots))]
         else:
@@ -175,7 +190,8 @@ class DecodeRows:
         self.groups += groups
         for k, (index, slot) in enumerate(zip(indices, slots, strict=True)):
             n = int(prompt_lengths[k])
-            stats = RequestStats(prompt_tokens=n, kept_ratios=[kept[k] / (self.entries_per_token * n)])
+            stats = RequestStats(n, kept_ratios=[entries[k] / (self.entries_per_token * n)])
+            stats.kv_bytes_ratios.append(float(held[k]) / (self.full_token_bytes * n))
             group = groups[0] if len(groups) == 1 else groups[k]
             self.slots[slot] = _Row(index, int(max_new_tokens[k]), stats, group)
             self.prompt_lengths[slot] = n
@@ -206,7 +222,7 @@ class DecodeRows:
             bits = self._masks()
             call_start = time.perf_counter()
             sampled, caches, kept, overflow = engine.decode_step(caches, feed, bits, sub, sampling)
-        sampled, kept = np.asarray(sampled), np.asarray(kept)
+        sampled, (entries, held) = np.asarray(sampled), _on_host(kept)
         call_s = time.perf_counter() - call_start
         if bool(overflow):
             raise RuntimeError(
@@ -216,7 +232,8 @@ class DecodeRows:
         for slot, row in enumerate(self.slots):
             if row is not None:
                 row.stats.token_times_s.append(dt)
-                row.stats.kept_ratios.append(kept[slot] / (self.entries_per_token * (row.position + 1)))
+                row.stats.kept_ratios.append(entries[slot] / (self.entries_per_token * (row.position + 1)))
+                row.stats.kv_bytes_ratios.append(float(held[slot]) / (self.full_token_bytes * (row.position + 1)))
         for group in self.groups:
             self._take(group, sampled[group.slots])
         self.steps += 1
@@ -265,3 +282,8 @@ class DecodeRows:
             if group.constraint is not None:
                 bits[group.slots] = group.constraint.mask()
         return bits
+
+
+def _on_host(kept: Kept) -> tuple[np.ndarray, np.ndarray]:
+    """The kept entries i32[B] and bytes f32[B] of a step, as numpy."""
+    return np.asarray(kept.entries), np.asarray(kept.bytes)

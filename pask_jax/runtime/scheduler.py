@@ -40,6 +40,7 @@ from pask_jax.runtime.rows import DecodeRows, Generation
 from pask_jax.runtime.sampling import SamplingConfig, mask_words
 from pask_jax.runtime.shapes import BatchShape, length_bucket, padded_batch
 from pask_jax.runtime.step import StepInput
+from pask_jax.storage import full_entry_bytes
 from pask_jax.structure.constraint import TokenConstraint
 
 
@@ -170,8 +171,8 @@ class ContinuousBatcher:
         start = time.perf_counter()
         caches = engine.empty_caches(shape.padded_rows, shape.capacities)
         rows = DecodeRows(
-            engine, shape.padded_rows, cfg.vocab_size, cfg.num_layers * cfg.num_kv_heads, self.sampling,
-            shape.capacities, overlap_grammar=self.overlap_grammar,
+            engine, shape.padded_rows, cfg.vocab_size, cfg.num_layers * cfg.num_kv_heads,
+            full_entry_bytes(cfg.head_dim), self.sampling, shape.capacities, overlap_grammar=self.overlap_grammar,
         )  # fmt: skip
         waiting = collections.deque(range(len(requests)))
         while waiting or rows.live:
@@ -208,7 +209,7 @@ class ContinuousBatcher:
         logits, new, kept = engine.prefill(tokens, lengths, prompt_roles, shape.capacities, tools)
         rows = np.full(batch.padded_rows, shape.padded_rows, np.int32)  # padding rows: past the batch, skipped
         rows[: batch.rows] = slots
-        return engine.insert_rows(caches, new, rows), logits, np.asarray(kept)
+        return engine.insert_rows(caches, new, rows), logits, kept
 
     def _group_shape(self, shape: BatchShape, rows: int, bucket: int) -> BatchShape:
         """The prefill shape of `rows` admitted requests at length `bucket`, filled to the cache's capacities (what

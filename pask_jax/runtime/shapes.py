@@ -14,6 +14,15 @@ import numpy as np
 
 from pask_jax.structure.roles import NO_TOOL
 
+# A layer group's pool sizes: slots per (layer, sequence, KV head), or (slots, blocks) with a block pool.
+Capacity = int | tuple[int, int]
+
+
+def pool_sizes(capacity: Capacity) -> tuple[int, int]:
+    """(slots, blocks) of a layer group's `Capacity`."""
+    return (capacity, 0) if isinstance(capacity, int) else capacity
+
+
 # Prompt length buckets: steps of 1.5x keep padding under a third while bounding the number of compiles.
 DEFAULT_LENGTH_BUCKETS = (
     64,
@@ -70,7 +79,7 @@ class BatchShape:
     padded_rows: int  # rows of every array: `padded_batch(rows, data size)`
     prompt_bucket: int  # prompt positions: the longest prompt's `length_bucket`
     new_token_bucket: int  # new tokens the caches are sized for: `new_token_bucket(max_new_tokens)`
-    capacities: tuple[int, ...]  # slots per (layer, sequence, KV head) of each layer group
+    capacities: tuple[Capacity, ...]  # per layer group: slots per (layer, sequence, KV head), or (slots, blocks)
 
     def pad(
         self, prompts: Sequence[Sequence[int]], prompt_roles: Sequence[Sequence[int]] | None = None

@@ -23,11 +23,13 @@ from pask_jax.attention import decode_attention, decode_attention_probs
 from pask_jax.cache import GroupCache
 from pask_jax.kernels import per_row_shards
 from pask_jax.methods import KVMethod
-from pask_jax.methods.base import PrefillContext, allowance_capacity
+from pask_jax.methods.base import PrefillContext
 from pask_jax.models.decoder import ModelConfig
 from pask_jax.models.sharding import cache_axes, mesh_context
+from pask_jax.runtime.budget import ByteBudget, Kept, block_priority
 from pask_jax.runtime.sampling import sample_masked
-from pask_jax.runtime.shapes import PREFILL_CHUNK
+from pask_jax.runtime.shapes import PREFILL_CHUNK, Capacity, pool_sizes
+from pask_jax.storage import Storage
 from pask_jax.structure.roles import NO_TOOL
 
 
@@ -80,6 +82,11 @@ class StepPlan:
     dtype: jnp.dtype
     mesh: Mesh | None = None  # the device mesh its steps run on (None: one device)
     prefill_chunk: int = PREFILL_CHUNK  # prompt positions per prefill chunk at most (`prefill_plans`)
+    storage: Storage = Storage()  # how the caches store K/V (`pask_jax.storage`)
+
+    @property
+    def bytes(self) -> ByteBudget:
+        return ByteBudget(self.storage, self.cfg.head_dim, capped=self.budget < 1.0 and min(self.fractions) < 1.0)
 
     def _layer_slot(self, layer: int) -> tuple[int, int]:
         for g, (start, stop) in enumerate(self.groups):
@@ -87,43 +94,69 @@ class StepPlan:
                 return g, layer - start
         raise IndexError(layer)
 
-    def capacities(self, prompt_bucket: int, new_tokens: int) -> tuple[int, ...]:
-        """Slots per (layer, sequence, KV head) of each layer group: the largest need among its layers."""
+    def capacities(self, prompt_bucket: int, new_tokens: int) -> tuple[Capacity, ...]:
+        """Per layer group, the largest need among its layers: slots per (layer, sequence, KV head), or with a block
+        pool (slots, blocks)."""
         full = prompt_bucket + new_tokens  # the allowance grows with the full length: its end bounds every step
-        return tuple(
-            max(allowance_capacity(self.allowance(layer, np.float64(full)), full) for layer in range(start, stop))
-            for start, stop in self.groups
-        )
+        budget = self.bytes
+
+        def need(start: int, stop: int) -> Capacity:
+            allowances = [self.allowance(layer, np.float64(full)) for layer in range(start, stop)]
+            slots = max(budget.slot_capacity(a, full) for a in allowances)
+            return (
+                slots
+                if self.storage.blocks is None
+                else (slots, max(budget.block_capacity(a, full) for a in allowances))
+            )
+
+        return tuple(need(start, stop) for start, stop in self.groups)
 
     def allowance(self, layer: int, full):
         """The method's allowance for `layer` at full length `full` (before the floor)."""
         return self.method.keep_allowance(self.fractions[layer], self.budget, full)
 
-    def empty_caches(self, batch: int, capacities: tuple[int, ...]) -> list[GroupCache]:
-        """One empty cache per layer group, `capacities[g]` slots per (layer, sequence, KV head)."""
+    def empty_caches(self, batch: int, capacities: tuple[Capacity, ...]) -> list[GroupCache]:
+        """One empty cache per layer group at `capacities[g]` (slots, or slots and blocks)."""
         cfg = self.cfg
         axes = (None, None) if self.mesh is None else cache_axes(cfg.num_kv_heads, self.mesh.shape)
-        return [
-            GroupCache.empty(stop - start, batch, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype, axes)
-            for (start, stop), capacity in zip(self.groups, capacities, strict=True)
-        ]
+        caches = []
+        for (start, stop), capacity in zip(self.groups, capacities, strict=True):
+            slots, blocks = pool_sizes(capacity)
+            layers = stop - start
+            caches.append(
+                GroupCache.empty(
+                    layers, batch, cfg.num_kv_heads, slots, cfg.head_dim, self.dtype, axes, self.storage, blocks
+                )
+            )
+        return caches
 
-    def fill(self, kv, scores, ctx: PrefillContext, capacities: tuple[int, ...]):
+    def kept(self, caches: list[GroupCache]) -> Kept:
+        """Entries and bytes each row holds, over layers and KV heads."""
+        entries = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B]
+        held = sum(
+            self.bytes.held(c.length, 0 if c.blocks is None else c.blocks.count).sum(axis=(0, 2)) for c in caches
+        )
+        for c in caches:
+            if c.blocks is not None:
+                entries += (c.blocks.pos >= 0).sum(axis=(0, 2, 3, 4))
+        return Kept(entries, jnp.asarray(held, jnp.float32))
+
+    def fill(self, kv, scores, ctx: PrefillContext, capacities: tuple[Capacity, ...]):
         """Keep each layer's best-scored prompt entries (up to its quota) in fresh caches -> caches, kept i32[B]."""
         t = ctx.tokens.shape[1]
         caches = self.empty_caches(ctx.tokens.shape[0], capacities)
         for layer, (k, v) in enumerate(kv):
             g, li = self._layer_slot(layer)
-            n_keep = min(t, capacities[g])
-            quota = jnp.maximum(jnp.floor(self.allowance(layer, ctx.lengths)).astype(jnp.int32), 1)  # i32[B]
+            slots, blocks = pool_sizes(capacities[g])
+            n_keep = min(t, slots + blocks * self.storage.block)
+            quota = jnp.maximum(self.bytes.prefill_count(self.allowance(layer, ctx.lengths), ctx.lengths), 1)  # i32[B]
             ranked = jnp.where(ctx.valid[:, None], scores[layer], -jnp.inf)  # padding never kept
             best = per_row_shards(lambda r, n=n_keep: jax.lax.top_k(r, n)[1].astype(jnp.int32), caches[g].axes)
             keep = best(ranked)  # [B, K, n_keep], best first (on a mesh: each device ranks its own rows)
             count = jnp.broadcast_to(jnp.minimum(quota, n_keep)[:, None], keep.shape[:2])
             filled = caches[g].fill(li, k, v, ctx.positions, ctx.roles, keep, count, scores[layer], ctx.tools)
             caches[g] = filled.constrain()
-        kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B]
-        return caches, kept
+        return caches, self.kept(caches)
 
     def decode(self, params, caches, step: StepInput, mask_bits, key, temperature, top_p):
         """One token per sequence: write its K/V, attend to the cache, enforce the running cap, mask, sample."""
@@ -140,7 +173,6 @@ class StepPlan:
             caches = list(caches)
             method = self.method
             positions, roles = step.positions, step.roles
-            called = step.called_tools()
 
             def attend(layer, q, k, v):
                 g, li = self._layer_slot(layer)
@@ -153,33 +185,52 @@ class StepPlan:
                     jnp.ones((b, kv_heads), bool),
                     method.new_token_score(layer, positions, roles, kv_heads),
                 )
-                k_pool, v_pool, pos = cache.k[li], cache.v[li], cache.pos[li]
                 if method.needs_decode_attention:
-                    out, probs = decode_attention_probs(q[:, 0], k_pool, v_pool, pos)
+                    out, probs = decode_attention_probs(q[:, 0], cache, li)
                     cache = dataclasses.replace(
                         cache, score=cache.score.at[li].set(method.update_scores(layer, cache.score[li], probs))
                     )
                 else:
-                    table, length = cache.table[li], cache.length[li]
-                    out = decode_attention(
-                        q[:, 0], k_pool, v_pool, pos, table, length, use_kernel=self.use_kernel, axes=cache.axes
-                    )
-                # Running cap after this token: floor(allowance(P + t)) entries per (layer, sequence, head).
-                cap = jnp.floor(self.allowance(layer, positions + 1)).astype(jnp.int32)  # i32[B]
-                over = cache.length[li] > cap[:, None]
-                priority = method.eviction_priority(
-                    layer, cache.score[li], cache.pos[li], cache.role[li], positions, step.prompt_lengths
-                )
-                priority = method.release_unchosen_tools(layer, priority, cache.pos[li], cache.tool[li], called)
-                priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)
-                caches[g] = cache.evict(li, jnp.argmin(priority, axis=-1).astype(jnp.int32), over).constrain()
+                    out = decode_attention(q[:, 0], cache, li, use_kernel=self.use_kernel)
+                caches[g] = self.keep_cap(layer, cache, li, step).constrain()
                 return out[:, None]
 
             hidden = model.forward(step.tokens[:, None], positions[:, None], attend)
             logits = model.logits(hidden)[:, 0]
-            kept = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B] over layers and heads
             overflow = jnp.stack([c.overflow for c in caches]).any()
-            return logits, caches, kept, overflow
+            return logits, caches, self.kept(caches), overflow
+
+    def keep_cap(self, layer: int, cache: GroupCache, li: int, step: StepInput) -> GroupCache:
+        """After this step's token: hold at most the allowance at full length P + t + 1 (`runtime.budget`), by
+        evicting the live entry the method ranks lowest -- with a block pool, after taking the oldest slot entries
+        down a block (when the window is full, or the bytes are over), and a whole block when it ranks lowest."""
+        method, budget, positions = self.method, self.bytes, step.positions
+        allowance = self.allowance(layer, positions + 1)[:, None]  # f[B, 1]: reference entries
+        priority = method.eviction_priority(
+            layer, cache.score[li], cache.pos[li], cache.role[li].astype(jnp.int32), positions, step.prompt_lengths
+        )
+        priority = method.release_unchosen_tools(
+            layer, priority, cache.pos[li], cache.tool[li].astype(jnp.int32), step.called_tools()
+        )
+        priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)
+        lowest = jnp.argmin(priority, axis=-1).astype(jnp.int32)  # i32[B, K]
+        if cache.blocks is None:
+            return cache.evict(li, lowest, cache.length[li] > budget.slot_cap(allowance))
+        limit = allowance * budget.full_bytes if budget.capped else jnp.inf
+        over = budget.held(cache.length[li], cache.blocks.count[li]) > limit  # bool[B, K]
+        window_full = cache.length[li] >= self.storage.window + self.storage.block
+        cache = cache.take_down(li, window_full | over)
+        over = budget.held(cache.length[li], cache.blocks.count[li]) > limit
+        priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)  # the entries taken down are no candidates
+        blocks = cache.blocks
+        live_blocks = jnp.arange(blocks.blocks) < blocks.count[li][..., None]
+        ranked = block_priority(
+            method, layer, blocks.pos[li], blocks.role[li], positions, step.prompt_lengths, live_blocks
+        )
+        to_block = jnp.min(ranked, axis=-1) < jnp.min(priority, axis=-1)
+        cache = cache.evict(li, jnp.argmin(priority, axis=-1).astype(jnp.int32), over & ~to_block)
+        released = blocks.release(li, jnp.argmin(ranked, axis=-1).astype(jnp.int32), over & to_block)
+        return dataclasses.replace(cache, blocks=released)
 
 
 # One compiled function per static signature (plan, capacities / sampling); the caches are donated to each step.

@@ -213,7 +213,7 @@ def test_dapq_pseudo_kv_never_reaches_the_cache(tiny_model: Decoder):
     pos, length, table = np.asarray(cache.pos), np.asarray(cache.length), np.asarray(cache.table)
     for idx in np.ndindex(length.shape):
         live = pos[idx][table[idx][: length[idx]]]
-        assert length[idx] == np.floor(0.5 * lengths[idx[1]])
+        assert length[idx] == np.floor(engine.plan.bytes.slot_entries(0.5 * lengths[idx[1]]))  # bytes, metadata counted
         assert (live >= 0).all() and (live < lengths[idx[1]]).all(), "only prompt positions are cached"
     full = Engine(tiny_model, num_groups=1, length_buckets=(16,))
     full_logits, _, _ = full.prefill(tokens, lengths, roles, full.capacities(16, 64))

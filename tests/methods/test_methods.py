@@ -99,7 +99,8 @@ def test_prefill_keeps_unique_valid_entries(matrix: Matrix, name: str):
             live = pos[idx][table[idx][: length[idx]]]
             assert len(set(live)) == len(live), "kept entries must be unique"
             assert (live >= 0).all() and (live < lengths[idx[1]]).all(), "kept entries must be real prompt tokens"
-            quota = max(int(np.floor(engine.plan.allowance(start + idx[0], lengths[idx[1]]))), 1)
+            allowance = engine.plan.allowance(start + idx[0], lengths[idx[1]])  # bf16 entries; the bytes decide
+            quota = max(int(engine.plan.bytes.prefill_count(allowance, lengths[idx[1]])), 1)
             assert length[idx] == min(quota, cache.capacity)
 
 

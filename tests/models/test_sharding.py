@@ -311,7 +311,7 @@ def test_bfloat16_tracks_float32():
     logits = [np.asarray(e.prefill(*shape.pad(PROMPTS), shape.capacities)[0]) for e in engines]
     np.testing.assert_allclose(logits[1], logits[0], atol=BF16_LOGITS_ATOL)
     _, caches, _ = engines[1].prefill(*shape.pad(PROMPTS), shape.capacities)
-    assert caches[0].k.dtype == jnp.bfloat16 and caches[0].score.dtype == jnp.float32
+    assert caches[0].k.codes.dtype == jnp.bfloat16 and caches[0].score.dtype == jnp.float32
     sampling = SamplingConfig(max_new_tokens=NEW)
     tokens = [[g.tokens for g in e.generate(PROMPTS, sampling)] for e in engines]
     for prompt, a, b in zip(PROMPTS, *tokens, strict=True):

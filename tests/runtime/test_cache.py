@@ -43,7 +43,7 @@ def test_fill_write_evict_roundtrip():
     np.testing.assert_array_equal(cache.length[0], count)
     np.testing.assert_array_equal(cache.pos[0, 0, 0, :4], [4, 1, 3, 0])
     np.testing.assert_array_equal(cache.role[0, 1, 2, :3], [40, 10, 30])
-    np.testing.assert_allclose(cache.k[0, 1, 0, 2], prompt_k[1, 3, 0])
+    np.testing.assert_allclose(cache.k.codes[0, 1, 0, 2], prompt_k[1, 3, 0])
 
     enter = jnp.asarray([[True, False, True], [True, True, True]])
     new = jnp.ones((B, K, H))
@@ -75,7 +75,7 @@ def test_insert_rows_replaces_only_the_named_rows():
     small = small.write(1, values, values, jnp.array([7, 9]), jnp.array([3, 4]), jnp.ones((2, K), bool))
     out = big.insert_rows(small, jnp.array([2, 4]))  # row 4 is past the batch: skipped (a padding row)
     for name in ("k", "v", "pos", "role", "score", "table", "length"):
-        got, before, fresh = (np.asarray(getattr(c, name)) for c in (out, big, small))
+        got, before, fresh = (np.asarray(jax.tree.leaves(getattr(c, name))[0]) for c in (out, big, small))
         np.testing.assert_array_equal(got[:, 2], fresh[:, 0], err_msg=name)
         np.testing.assert_array_equal(got[:, [0, 1, 3]], before[:, [0, 1, 3]], err_msg=name)
     check_invariants(out)
@@ -100,14 +100,14 @@ def test_pool_attention_equals_gathered_reference_after_evictions():
         cache = step(cache, 0, kv, kv * 2, jnp.full((B,), p), jnp.zeros((B,), jnp.int32), jnp.ones((B, K), bool))
     cache = cache.evict(0, jnp.asarray(rng.integers(0, C, (B, K))), jnp.ones((B, K), bool))
     q = jnp.asarray(rng.normal(size=(B, K, 2, H)), jnp.float32)
-    pool = pool_attention(q, cache.k[0], cache.v[0], cache.pos[0] >= 0)
-    gathered = ref_gather_attention(q, cache.k[0], cache.v[0], cache.table[0], cache.length[0])
+    k, v = cache.k.codes[0], cache.v.codes[0]  # full precision: the codes are the values
+    pool = pool_attention(q, k, v, cache.pos[0] >= 0)
+    gathered = ref_gather_attention(q, k, v, cache.table[0], cache.length[0])
     np.testing.assert_allclose(pool, gathered, atol=1e-5)
     heads = q.reshape(B, K * 2, H)  # decode attention takes the query heads flat, G consecutive per KV head
-    pool_arrays = (cache.k[0], cache.v[0], cache.pos[0], cache.table[0], cache.length[0])
-    xla = decode_attention(heads, *pool_arrays)
+    xla = decode_attention(heads, cache, 0)
     np.testing.assert_array_equal(xla, pool.reshape(B, K * 2, H))  # the XLA path is the pool
-    kernel = decode_attention(heads, *pool_arrays, use_kernel=True)  # the Pallas kernel, interpreted here
+    kernel = decode_attention(heads, cache, 0, use_kernel=True)  # the Pallas kernel, interpreted here
     np.testing.assert_allclose(kernel, gathered.reshape(B, K * 2, H), atol=1e-5)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.sampling import SamplingConfig, mask_words
 from pask_jax.runtime.step import StepInput
+from pask_jax.storage import Storage, full_entry_bytes
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one per XLA backend compile
 
@@ -105,7 +108,10 @@ def test_batch_shape_is_what_generate_compiles(model: Decoder):
     engine.generate(PROMPTS, sampling)
     shape = engine.batch_shape([len(p) for p in PROMPTS], sampling.max_new_tokens)
     assert (shape.rows, shape.padded_rows, shape.prompt_bucket, shape.new_token_bucket) == (3, 4, 16, 64)
-    assert shape.capacities == engine.capacities(16, 64) == (41, 41)  # ceil(0.5 * (16 + 64)) + 1 slot of slack
+    # the bf16 entries that 0.5 of (16 + 64) entries' bytes pay for, metadata counted, + 1 slot of slack
+    h = engine.cfg.head_dim
+    slots = math.ceil(0.5 * 80 * full_entry_bytes(h) / Storage().slot_entry_bytes(h)) + 1
+    assert shape.capacities == engine.capacities(16, 64) == (slots, slots) and slots < 41
     before = _compiles[0]
     lowered = engine.lower(shape, sampling)
     lowered.prefill.compile(), lowered.decode.compile()

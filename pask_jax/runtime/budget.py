@@ -1,0 +1,121 @@
+"""The total KV budget in bytes: how many entries a layer may hold, and the cap each decode step keeps.
+
+A method's allowance (`KVMethod.keep_allowance`) is in entries of the budget's reference, a bf16 K/V entry without
+metadata (`storage.full_entry_bytes`): `allowance * full_entry_bytes` bytes. What the cache may hold of it depends on
+how it stores entries (`pask_jax.storage`): a bf16 slot entry with its metadata costs a little more than the
+reference (at head_dim 64, 271 bytes for 256), an int8 one about half, a KIVI-2 block entry about a fifth. At budget
+1 nothing is capped (the cache keeps every entry, whatever it costs), so budget 1 always reproduces full KV.
+
+The decode step keeps, per (layer, sequence, KV head), `held_bytes <= allowance(P + t) * full_entry_bytes` after each
+token (the token being written is the slack). With a block pool it first takes the oldest slot entries down a block
+(the window shrinking) and only then lets an entry -- or a whole block -- leave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pask_jax.methods.base import SLACK, KVMethod
+from pask_jax.storage import Storage, full_entry_bytes
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Kept:
+    """What a cache holds per sequence row, summed over layers and KV heads."""
+
+    entries: jax.Array  # i32[B] live entries
+    bytes: jax.Array  # f32[B] bytes held, counted as the budget counts them
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteBudget:
+    """The byte side of a plan: its storage, head_dim, and whether the budget caps at all (b < 1)."""
+
+    storage: Storage
+    head_dim: int
+    capped: bool
+
+    @property
+    def full_bytes(self) -> int:
+        return full_entry_bytes(self.head_dim)
+
+    @property
+    def slot_bytes(self) -> float:
+        return self.storage.slot_entry_bytes(self.head_dim)
+
+    @property
+    def block_bytes(self) -> float:
+        """Bytes of one whole block of the block pool."""
+        return self.storage.block * self.storage.block_entry_bytes(self.head_dim)
+
+    def slot_entries(self, allowance):
+        """Slot entries (before the floor) an allowance of `allowance` reference entries pays for."""
+        return allowance * self.full_bytes / self.slot_bytes if self.capped else allowance
+
+    def held(self, slots: jax.Array, blocks: jax.Array | int = 0) -> jax.Array:
+        """Bytes of `slots` slot entries and `blocks` blocks."""
+        held = slots * self.slot_bytes
+        return held if self.storage.blocks is None else held + blocks * self.block_bytes
+
+    def slot_capacity(self, allowance: float, full: int) -> int:
+        """Slots a layer allowed `allowance` reference entries at its final full length `full` needs."""
+        if self.storage.blocks is None:
+            return min(math.ceil(round(float(self.slot_entries(allowance)), 6)), full) + SLACK
+        return min(self.storage.window + self.storage.block, full) + SLACK  # the window and one block to go down
+
+    def block_capacity(self, allowance: float, full: int) -> int:
+        """Blocks of the block pool a layer allowed `allowance` reference entries at full length `full` needs."""
+        if self.storage.blocks is None:
+            return 0
+        whole = -(-full // self.storage.block)
+        if not self.capped:
+            return whole
+        return min(whole, math.floor(allowance * self.full_bytes / self.block_bytes)) + 1
+
+    def prefill_count(self, allowance: jax.Array, available: jax.Array) -> jax.Array:
+        """Entries (i32, any shape) a layer keeps of `available` prompt entries under an allowance of `allowance`
+        reference entries: with a block pool, the most whose whole blocks plus a slot remainder fit the bytes."""
+        if not self.capped:
+            return available
+        if self.storage.blocks is None:
+            return jnp.minimum(jnp.floor(self.slot_entries(allowance)).astype(jnp.int32), available)
+        block, limit = self.storage.block, allowance * self.full_bytes
+        if_all = self.held(available % block, available // block) <= limit
+        blocks = jnp.minimum(jnp.floor(limit / self.block_bytes).astype(jnp.int32), available // block)
+        spare = jnp.floor((limit - blocks * self.block_bytes) / self.slot_bytes).astype(jnp.int32)
+        rest = jnp.minimum(jnp.minimum(spare, block - 1), available - blocks * block)
+        return jnp.where(if_all, available, blocks * block + rest)
+
+    def slot_cap(self, allowance: jax.Array) -> jax.Array:
+        """i32: slot entries a slot-only layer may hold under an allowance of `allowance` reference entries."""
+        return jnp.floor(self.slot_entries(allowance)).astype(jnp.int32)
+
+
+def block_priority(
+    method: KVMethod,
+    layer: int,
+    pos: jax.Array,  # i32[B, K, NB, T] (-1: dead or free)
+    role: jax.Array,  # i8[B, K, NB, T]
+    position: jax.Array,  # i32[B]
+    prompt_len: jax.Array,  # i32[B]
+    live_blocks: jax.Array,  # bool[B, K, NB]
+) -> jax.Array:  # f32[B, K, NB]: the lowest live block leaves whole
+    """A block's keep-priority: its most valuable entry's, by the method's eviction priority (a block leaves whole,
+    so it goes only once its best entry is the least valuable left; one holding a PROTECTED entry, such as an
+    attention sink, only when nothing else is left); free blocks never leave."""
+    b, kv_heads, nb, t = pos.shape
+    flat = method.eviction_priority(
+        layer,
+        jnp.zeros((b, kv_heads, nb * t), jnp.float32),
+        pos.reshape(b, kv_heads, nb * t),
+        role.reshape(b, kv_heads, nb * t).astype(jnp.int32),
+        position,
+        prompt_len,
+    ).reshape(b, kv_heads, nb, t)
+    best = jnp.max(jnp.where(pos >= 0, flat, -jnp.inf), axis=-1)  # a block of dead entries: -inf, first to go
+    return jnp.where(live_blocks, best, jnp.inf)

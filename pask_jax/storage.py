@@ -1,0 +1,92 @@
+"""How a cache stores its K/V, and what each stored entry costs in bytes: the unit of the total KV budget.
+
+A layer group's cache has a **slot pool** (one entry per slot, any slot freed or reused on its own) stored in a
+per-token format -- bf16 / f32, int8 or fp8 per token and KV head, or int4 / int2 over groups of channels -- and,
+optionally, a **block pool** (`pask_jax.block_pool`) whose entries are written `block` at a time in a format whose
+keys are quantized per channel over the block (KIVI's keys), values per token. `Storage` names the two.
+
+The budget b is in bytes: the bytes the cache holds for a sequence over the bytes of a full bf16 K/V cache of the
+same length (2 bytes an element, no metadata). Every byte an entry holds counts: its codes, its share of scales and
+zeros (`quantize.bytes_per_token`), and its metadata -- a slot's position (i32), role (i8), offered tool (i16),
+keep-priority (f32) and table entry (i32); a block entry's position (i32) and role (i8) plus its share of the block's
+table entry (i32). Full precision counts 2 bytes an element even where the engine holds f32 (CPU), so a budget means
+the same on every machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pask_jax.kernels.quantize import FULL, PRESETS, KVFormat, bytes_per_token
+
+SLOT_METADATA_BYTES = 4 + 1 + 2 + 4 + 4  # pos i32, role i8, tool i16, score f32, table i32
+BLOCK_ENTRY_METADATA_BYTES = 4 + 1  # pos i32, role i8 (the block's table entry is shared by its entries)
+BLOCK_TABLE_BYTES = 4  # i32 per block
+FULL_BYTES_PER_ELEMENT = 2  # the budget's reference: bf16 K and V, no metadata
+
+
+def full_entry_bytes(head_dim: int) -> int:
+    """Bytes one token of one KV head takes in the budget's reference: bf16 key and value, no metadata."""
+    return 2 * FULL_BYTES_PER_ELEMENT * head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """A layer group's storage: the slot pool's format and, optionally, the block pool's (key, value) formats.
+
+    `window`: with a block pool, the entries the slot pool holds at full precision before its oldest `block` go
+    down into a block (KIVI's residual length R); the cap may take them down sooner.
+    """
+
+    slots: KVFormat = FULL
+    blocks: tuple[KVFormat, KVFormat] | None = None
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.slots.axis == "channel":
+            raise ValueError("the slot pool stores entries one by one: its format must be per token, not per channel")
+        if self.blocks is not None:
+            key, value = self.blocks
+            if value.axis == "channel":
+                raise ValueError("block-pool values are quantized per token")
+            if key.axis != "channel" or key.group < 1:
+                raise ValueError("block-pool keys are quantized per channel over the block: give a channel format")
+        elif self.window:
+            raise ValueError("a full-precision window needs a block pool to flush into")
+
+    @property
+    def block(self) -> int:
+        """Entries per block of the block pool (its keys' channel-group length); 0 without one."""
+        return 0 if self.blocks is None else self.blocks[0].group
+
+    @property
+    def name(self) -> str:
+        """The storage as a method spec names it (`snapkv@int8`): a preset name, or bf16 for full precision."""
+        for preset, formats in PRESETS.items():
+            if self.blocks == formats or (self.blocks is None and formats == (self.slots, self.slots)):
+                return "bf16" if preset == "full" else preset
+        return repr(self)
+
+    @classmethod
+    def parse(cls, name: str) -> Storage:
+        """A slot-pool storage by name: bf16 (full precision), int8, fp8 or int4 (per token, groups of 32)."""
+        if name in ("bf16", "full"):
+            return cls()
+        if name not in PRESETS or PRESETS[name][0].axis == "channel":
+            slot_formats = ["bf16", *(p for p, (k, _) in PRESETS.items() if k.axis == "token" and p != "full")]
+            raise ValueError(
+                f"unknown storage {name!r}; an eviction method stores its entries as one of {slot_formats}"
+            )
+        return cls(slots=PRESETS[name][0])
+
+    def slot_entry_bytes(self, head_dim: int) -> float:
+        """Bytes one slot-pool entry (one token of one KV head) holds, metadata included."""
+        return 2 * bytes_per_token(self.slots, head_dim) + SLOT_METADATA_BYTES
+
+    def block_entry_bytes(self, head_dim: int) -> float:
+        """Bytes one block-pool entry holds, its share of the block's scales, zeros and table entry included."""
+        if self.blocks is None:
+            raise ValueError("this storage has no block pool")
+        key, value = self.blocks
+        payload = bytes_per_token(key, head_dim) + bytes_per_token(value, head_dim)
+        return payload + BLOCK_ENTRY_METADATA_BYTES + BLOCK_TABLE_BYTES / self.block
