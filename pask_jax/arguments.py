@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -187,19 +188,41 @@ def policy_dir(path: str, flag: str, alternatives: str = "") -> None:
         raise UsageError(f"{flag}: {path} holds no policy (no {POLICY_META}); create one with `pask-jax calibrate`")
 
 
-def labelled_policies(entries: list[str], default_label: str, reserved: str | None = None) -> dict[str, str]:
-    """`--policy [LABEL=]PATH` entries -> {label: path}, every path a policy directory: a bare PATH takes
-    `default_label` (the run of `pask:LABEL`, or of plain `pask` where the label is "pask"). Each label once;
-    `reserved`, where given, is refused (a command whose plain `pask` must stay the uncalibrated run)."""
+AUTO_POLICY, NO_POLICY = "auto", "none"  # `--policy` words: the shipped policy that fits the model; PASK uncalibrated
+PLAIN_PASK = "pask"  # the label of plain `pask`'s policy (`factory.resolve_spec`)
+
+
+def policy_spec(value: str | None) -> str | None:
+    """A `--policy` value as the one resolver takes it (`pask_jax.policy.resolve_policy`, behind `LLM` and every
+    command): `none` -> None (PASK uncalibrated: recency with sinks); `auto` and a directory as they are."""
+    return None if value in (None, NO_POLICY) else value
+
+
+def check_policy(value: str, flag: str) -> None:
+    """A `--policy` value every command takes: auto, none, or a policy directory."""
+    if value not in (AUTO_POLICY, NO_POLICY):
+        policy_dir(value, flag, f", or {AUTO_POLICY} or {NO_POLICY}")
+
+
+def labelled_policies(entries: list[str], methods: Sequence[str] = ()) -> dict[str, str]:
+    """`--policy [LABEL=]VALUE` entries of a method sweep -> {label: value}, VALUE auto, none or a policy directory.
+    A bare VALUE is plain `pask`'s policy (label "pask"), which is auto unless an entry names it: added here when one
+    of `methods` runs it (plain `pask`, or a `pask:LABEL` with no policy of its own). LABEL=VALUE is `pask:LABEL`'s
+    (none only for plain pask: an uncalibrated pask:LABEL is plain pask). Each label once."""
     out: dict[str, str] = {}
     for entry in entries:
-        label, _, path = entry.rpartition("=")
-        label = label or default_label
-        if not path or label == reserved or label in out:
-            taken = f", a label other than {reserved!r} (plain {reserved} is the uncalibrated run)" if reserved else ""
-            raise UsageError(f"--policy {entry!r}: give [LABEL=]PATH with a path{taken} and each label once")
-        policy_dir(path, f"--policy {entry}")
-        out[label] = path
+        label, _, value = entry.rpartition("=")
+        label = label or PLAIN_PASK
+        if not value or label in out:
+            raise UsageError(f"--policy {entry!r}: give [LABEL=]PATH (or auto, none) with a path and each label once")
+        if value == NO_POLICY and label != PLAIN_PASK:
+            raise UsageError(f"--policy {entry!r}: {NO_POLICY} is for plain pask (PASK uncalibrated), not pask:{label}")
+        check_policy(value, f"--policy {entry}")
+        out[label] = value
+    if PLAIN_PASK not in out and any(
+        name == PLAIN_PASK and label not in out for name, _, label in (spec.partition(":") for spec in methods)
+    ):
+        out[PLAIN_PASK] = AUTO_POLICY
     return out
 
 

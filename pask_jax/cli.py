@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 from pask_jax.arguments import (
+    AUTO_POLICY,
     METHOD_NAMES,
     STATS_FILE,
     OneLineParser,
     UsageError,
     budget_list,
     budget_value,
+    check_policy,
     float_in,
     grammar_backend,
     input_file,
@@ -22,7 +24,7 @@ from pask_jax.arguments import (
     method_spec,
     output_dir,
     output_file,
-    policy_dir,
+    policy_spec,
     positive,
 )
 from pask_jax.models.fetch import MODELS, FetchError, enable_compile_cache, fetch_model
@@ -40,8 +42,7 @@ def _check_run(args: argparse.Namespace) -> None:
     output_file(args.output, "-o/--output")
     if Path(args.output).resolve() == Path(args.input).resolve():
         raise UsageError(f"-o/--output {args.output}: the output file must not be the input file")
-    if args.policy not in ("auto", "none"):  # checked for every method: a mistyped path is a mistake either way
-        policy_dir(args.policy, "--policy", ", or auto or none")
+    check_policy(args.policy, "--policy")  # checked for every method: a mistyped path is a mistake either way
     if args.method_config:
         input_file(args.method_config, "--method-config")
 
@@ -92,7 +93,7 @@ def _llm_options(args: argparse.Namespace) -> dict:
     if ":" in args.method or args.method_config:
         # a ValueError (an unknown label, a bad config file): main reports it, `pask-jax run: error: ...`, status 2
         overrides = resolve_spec(args.method, load_method_config(args.method_config)).overrides
-    policy = None if args.policy in (None, "none") else args.policy
+    policy = policy_spec(args.policy)
     return dict(
         method=method, budget=args.budget, policy=policy if method == "pask" else None, method_overrides=overrides
     )
@@ -103,11 +104,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     Several processes (`jax.distributed.initialize()` from the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
     JAX_PROCESS_ID, or PASK_DISTRIBUTED=1 on a Cloud TPU slice): process p of n answers the input lines whose 0-based
-    index mod n is p, into its own file `<output>.<p>-of-<n>` (see `pask_jax.batch`), each on a `--mesh` of its own
+    index mod n is p, into its own file `<output>.<p>-of-<n>` (see `pask_jax.batch_file`), each on a `--mesh` of its own
     devices."""
     import jax
 
-    from pask_jax.batch import run_batch
+    from pask_jax.batch_file import run_batch
     from pask_jax.models.sharding import init_distributed, make_mesh, parse_mesh
 
     init_distributed()  # before any JAX computation; a no-op unless the environment asks for it
@@ -248,7 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method-config", help="TOML of method variants and overrides, on top of configs/methods.toml")
     p.add_argument("--budget", type=budget_value, default=0.33, help="total KV budget in (0, 1] (full KV: 1)")
     p.add_argument(
-        "--policy", default="auto", help="PASK policy: auto (the shipped one that fits the model), a directory, none"
+        "--policy",
+        default=AUTO_POLICY,
+        help="PASK policy: auto (the shipped one that fits the model), a directory, or none (PASK uncalibrated)",
     )
     p.add_argument(
         "--max-batch", type=int_at_least(1), default=8, help="cache rows (continuous) or rows per micro-batch (static)"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jsonschema
 
-from pask_jax.batch import read_input
+from pask_jax.batch_file import read_input
 
 
 def _tool_schemas(body: dict) -> dict[str, dict]:

@@ -470,7 +470,7 @@ def ablations_b033(root: Path) -> str:
 DEV_FILES = {0.33: "results/dev_compiler_b033.json", 0.2: "results/dev_compiler_b02.json"}
 DEV_POLICIES = {  # label in the files -> what the policy is (all compiled from the own16 statistics)
     "full": "full KV (b = 1)",
-    "pask:shipped": "removal order (policies/qwen2.5-coder-0.5b-removal-order)",
+    "pask:shipped": "removal order (results/policies/qwen2.5-coder-0.5b-removal-order)",
     "pask:order": "per-entry order (the own16 policy)",
     "pask:fs05": "per-entry order, `--floor-share 0.5`",
     "pask:tol1": "per-entry order, `--tolerance 0.07`",
@@ -974,7 +974,7 @@ SCHEMA_CALIBRATIONS = (  # the schema split's calibration part
     "results/calibration_qwen2.5-coder-0.5b_schema36.json",
     "results/calibration_qwen2.5-coder-1.5b_schema12.json",
 )
-POLICY_ROOTS = ("pask_jax/policies", "policies")
+POLICY_ROOTS = ("pask_jax/policies", "results/policies")
 
 
 def _policies_from(root: Path, stats_file: str) -> list[str]:

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from pask_jax.batch import BATCH_URL, read_input
+from pask_jax.batch_file import BATCH_URL, read_input
 from pask_jax.requests import ChatRequest, PreparedRequest, RequestBuilder, parse_request
 
 DEFAULT_DEV_FRACTION = 0.2

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from pask_jax.arguments import (
+    PLAIN_PASK,
     UsageError,
     budget_list,
     input_file,
@@ -26,7 +27,26 @@ from pask_jax.experiments.bfcl.long_context import LAYOUTS
 from pask_jax.experiments.bfcl.prompt import PROMPTS
 from pask_jax.models.fetch import enable_compile_cache
 
-NIAH_POLICY_LABEL = "calibrated"  # `pask-jax niah --policy PATH` runs as method pask:calibrated
+POLICY_HELP = (
+    "plain pask's policy, as `pask-jax run` takes it: auto (default: the shipped one that fits the model), a directory "
+    "from `pask-jax calibrate`, or none (PASK uncalibrated); LABEL=PATH (or LABEL=auto): the policy of pask:LABEL "
+    "(repeatable)"
+)
+
+
+def sweep_policies(values: dict[str, str], checkpoint) -> dict:
+    """A sweep's `--policy` values by label (`labelled_policies`: plain pask's is auto unless --policy names it) ->
+    its PASK policies by label, resolved as `pask-jax run` resolves one (`sweep.resolve_policies`) for the model of
+    `checkpoint` (a `Checkpoint`; None where there is nothing to resolve)."""
+    if not values:
+        return {}
+    from pask_jax.experiments.sweep import resolve_policies
+    from pask_jax.policy_compiler import PolicyError
+
+    try:
+        return resolve_policies(values, checkpoint.fingerprint)
+    except PolicyError as exc:
+        raise UsageError(f"--policy: {exc} (here: --policy DIR, or --policy none)") from None
 
 
 def check_bfcl(args: argparse.Namespace) -> None:
@@ -35,7 +55,7 @@ def check_bfcl(args: argparse.Namespace) -> None:
         unknown = [c for c in args.categories.split(",") if c not in CATEGORIES]
         if unknown:
             raise UsageError(f"--categories: unknown {', '.join(map(repr, unknown))}; known: {', '.join(CATEGORIES)}")
-    labelled_policies(args.policy or [], "pask")
+    labelled_policies(args.policy or [])
     if args.method_config:
         input_file(args.method_config, "--method-config")
     if args.out:
@@ -43,7 +63,7 @@ def check_bfcl(args: argparse.Namespace) -> None:
 
 
 def check_niah(args: argparse.Namespace) -> None:
-    labelled_policies(args.policy or [], NIAH_POLICY_LABEL, reserved="pask")
+    labelled_policies(args.policy or [])
     if args.method_config:
         input_file(args.method_config, "--method-config")
     output_file(args.out, "--out")
@@ -73,23 +93,20 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         **({"length_buckets": tuple(int(n) for n in args.length_buckets.split(","))} if args.length_buckets else {}),
     )
     from pask_jax.methods import load_method_config
-    from pask_jax.policy import PersistencePolicy
 
     method_config = load_method_config(args.method_config)
-    policies = {
-        label: PersistencePolicy.load(path) for label, path in labelled_policies(args.policy or [], "pask").items()
-    }
+    values = labelled_policies(args.policy or [], cfg.methods)
+    checkpoint = Checkpoint.open(args.model) if values else None  # config and tokenizer for the policies' fit
+    policies = sweep_policies(values, checkpoint)
     for spec in cfg.methods:  # an unknown NAME:LABEL: before the model loads
         resolve_spec(spec, method_config, policies)
-    if "pask" in cfg.methods and "pask" not in policies:
-        print("note: --methods pask without --policy runs PASK uncalibrated (recency + sinks)", file=sys.stderr)
     out = Path(args.out) if args.out else None
     try:  # a results file to resume must have been made with these settings: before the model loads
         read_results(out, args.model, run_config(cfg, method_config, policies))
     except ValueError as exc:
         raise UsageError(f"--out: {exc}") from None
     enable_compile_cache()
-    checkpoint = Checkpoint.open(args.model)
+    checkpoint = checkpoint or Checkpoint.open(args.model)
     result = run_bfcl(
         checkpoint.weights(),
         checkpoint.tokenizer,
@@ -106,7 +123,7 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    """`pask-jax bench serving|decode|kernel ...`: the benchmarks in `experiments.bench`, each with its own flags."""
+    """`pask-jax bench BENCHMARK ...`: the benchmarks in `experiments.bench` (`BENCHMARKS`), each with its own flags."""
     from pask_jax.experiments.bench import main as bench_main
 
     bench_main(args.args)
@@ -117,9 +134,10 @@ def cmd_niah(args: argparse.Namespace) -> None:
     results JSON (`python -m tools.plot_niah` draws it)."""
     from pask_jax.experiments import niah
 
-    policy_paths = labelled_policies(args.policy or [], NIAH_POLICY_LABEL, reserved="pask")
+    labels = [entry.rpartition("=")[0] for entry in args.policy or []]
     methods = niah.parse_names(args.methods, "methods")
-    methods += tuple(spec for spec in (f"pask:{label}" for label in policy_paths) if spec not in methods)
+    extra = (f"pask:{label}" for label in labels if label not in ("", PLAIN_PASK))  # a labelled policy adds its run
+    methods += tuple(spec for spec in extra if spec not in methods)
     cfg = niah.NiahConfig(
         methods=methods,
         budgets=niah.parse_floats(args.budgets, "budget"),
@@ -134,12 +152,11 @@ def cmd_niah(args: argparse.Namespace) -> None:
     )  # every list checked before anything loads
     from pask_jax.checkpoint import Checkpoint
     from pask_jax.methods import load_method_config
-    from pask_jax.policy import PersistencePolicy
     from pask_jax.requests import RequestBuilder
 
-    policies = {label: PersistencePolicy.load(path) for label, path in policy_paths.items()}
     method_config = load_method_config(args.method_config)
     checkpoint = Checkpoint.open(args.model)
+    policies = sweep_policies(labelled_policies(args.policy or [], cfg.methods), checkpoint)
     tokenizer = checkpoint.tokenizer
     niah.check_methods(cfg, method_config, policies, checkpoint.fingerprint)
     template = checkpoint.chat_template
@@ -243,8 +260,8 @@ def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
     p.add_argument(
         "--methods",
         default="full",
-        help="comma-separated: full,random,streamingllm,h2o,snapkv,pyramidkv,dapq,pask; pask:LABEL = PASK under "
-        "the policy given as --policy LABEL=PATH",
+        help="comma-separated: full,random,streamingllm,h2o,snapkv,pyramidkv,dapq,pask; pask runs under --policy; "
+        "pask:LABEL = PASK under the policy given as --policy LABEL=PATH",
     )
     p.add_argument("--budget", default="1.0", type=budget_list, help="total KV budget(s) in (0, 1], comma-separated")
     p.add_argument("--categories", default="all", help="'all' or comma-separated BFCL categories")
@@ -287,12 +304,7 @@ def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
         help="comma-separated prompt lengths prefill pads to (default: the engine's, 1.5x apart); fewer buckets, "
         "fewer compiles per method",
     )
-    p.add_argument(
-        "--policy",
-        action="append",
-        help="compiled PASK policy directory (from `pask-jax calibrate`), for method pask; LABEL=PATH for pask:LABEL "
-        "(repeatable)",
-    )
+    p.add_argument("--policy", action="append", help=POLICY_HELP)
     p.add_argument("--method-config", help="TOML of method variants and overrides, on top of configs/methods.toml")
     p.add_argument("--out", help="write the full results JSON here")
     p.set_defaults(func=cmd_bfcl, check=check_bfcl)
@@ -301,7 +313,7 @@ def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
     p.add_argument(
         "--methods",
         default="full,dapq,snapkv,pyramidkv,h2o,streamingllm,pask",
-        help="comma-separated method specs (pask: uncalibrated); each --policy adds pask:LABEL",
+        help="comma-separated method specs (pask runs under --policy); each --policy LABEL=PATH adds pask:LABEL",
     )
     p.add_argument("--budgets", default="0.03,0.1,0.2", help="total KV budgets in (0, 1], comma-separated")
     p.add_argument("--lengths", default="2k,4k,8k", help="prompt lengths in tokens (k = 1024), comma-separated")
@@ -314,15 +326,14 @@ def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
     p.add_argument("--batch-size", type=int, default=4, help="prompts per shared prefill")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--groups", type=int, default=4, help="layer groups (a policy's own groups win)")
-    p.add_argument(
-        "--policy",
-        action="append",
-        help="[LABEL=]PATH: a compiled PASK policy, run as method pask:LABEL (default label: calibrated); repeatable",
-    )
+    p.add_argument("--policy", action="append", help=POLICY_HELP)
     p.add_argument("--method-config", help="TOML of method variants and overrides, on top of configs/methods.toml")
     p.add_argument("--out", required=True, help="results JSON; an existing one is resumed (only missing cells run)")
     p.set_defaults(func=cmd_niah, check=check_niah)
-    # prefix "+": every "--flag" after `bench` is passed through to the script's own parser (`pask-jax bench --help`)
-    p = sub.add_parser("bench", help="benchmarks: serving | decode | kernel", prefix_chars="+", add_help=False)
+    from pask_jax.experiments.bench import BENCHMARKS  # names and one line each; no benchmark module is imported
+
+    # prefix "+": every "--flag" after `bench` is passed through to the benchmark's own parser; `pask-jax bench --help`
+    # lists the benchmarks, `pask-jax bench NAME --help` one benchmark's flags
+    p = sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHMARKS)}", prefix_chars="+", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER, help="a benchmark and its flags (`pask-jax bench serving --help`)")
     p.set_defaults(func=cmd_bench)

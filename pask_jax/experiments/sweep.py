@@ -3,15 +3,18 @@
 Prefill attention is uncompressed for every method, so one forward serves them all and each method fills its own
 cache from it (`runtime.prefill.prefill_plans` over several plans); then each engine decodes its own rows. The BFCL
 and NIAH harnesses and the compile benchmark run their method x budget grids through `generate_shared`.
+Their PASK policies by label come from `--policy` through the one resolver (`resolve_policies`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 
+from pask_jax.arguments import policy_spec
+from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.prefill import prefill_jit
 from pask_jax.runtime.rows import Generation, StepCallback
@@ -93,3 +96,11 @@ def prefill_groups(items: Sequence, size: int = PLANS_PER_PREFILL) -> list[tuple
     count = -(-len(items) // size)
     bounds = [round(k * len(items) / count) for k in range(count + 1)] if count else [0]
     return [items[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def resolve_policies(values: Mapping[str, str], fingerprint: ModelFingerprint) -> dict[str, PersistencePolicy]:
+    """A sweep's `--policy` values by label (`arguments.labelled_policies`) -> its PASK policies by label, each
+    resolved as `pask-jax run` and `LLM` resolve one (`policy.resolve_policy`: auto, the shipped policy that fits the
+    model; a directory, refused if it fits another; none, no policy: PASK uncalibrated, so no entry)."""
+    resolved = {label: resolve_policy(policy_spec(value), fingerprint) for label, value in values.items()}
+    return {label: policy for label, policy in resolved.items() if policy is not None}

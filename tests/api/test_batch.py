@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pask_jax.batch import answered_keys, read_input, run_batch
+from pask_jax.batch_file import answered_keys, read_input, run_batch
 from pask_jax.requests import RequestError, parse_request
 
 

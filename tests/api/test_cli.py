@@ -181,7 +181,7 @@ def test_run_refuses_an_output_under_a_file(tmp_path: Path, requests_file: Path,
 
 
 def test_batch_summary_line_has_no_nan():
-    from pask_jax.batch import BatchSummary
+    from pask_jax.batch_file import BatchSummary
 
     assert BatchSummary().line() == "0 requests: nothing to answer"
     line = BatchSummary(requests=2, skipped=2).line()  # a rerun with everything answered: nothing was measured
@@ -260,7 +260,7 @@ def test_niah_refuses_bad_paths_and_settings_before_the_model(tmp_path: Path, po
         "--policy": ["--policy", str(tmp_path / "no-policy")],
         "--method-config": ["--method-config", str(tmp_path / "missing.toml")],
         "budget 1.5 must be in (0, 1]": ["--budgets", "0.1,1.5"],
-        "--policy 'pask=": ["--policy", f"pask={policy_dir}"],  # niah's own check, also before loading
+        "none is for plain pask": ["--policy", "x=none"],  # niah's own check, also before loading
     }
     for named, flags in cases.items():
         assert named in usage_error(["niah", "--out", out, *flags], capsys), flags
@@ -273,18 +273,127 @@ def test_argparse_errors_are_one_line(capsys):
     assert "argument --ablation: invalid choice" in usage_error(["calibrate", "--out", "p", "--ablation", "x"], capsys)
 
 
-def test_policy_entries_take_a_default_label_and_refuse_a_reserved_or_repeated_one(tmp_path: Path, policy_dir: Path):
-    """One `--policy [LABEL=]PATH` reading for bfcl (bare: plain pask), niah (bare: pask:calibrated; "pask" refused)
-    and bench compile."""
+def test_policy_entries_default_plain_pask_to_auto_and_refuse_a_repeated_label(tmp_path: Path, policy_dir: Path):
+    """One `--policy [LABEL=]VALUE` reading for bfcl, niah and bench compile: bare is plain pask's, auto unless given
+    (and only where a spec runs it), none for PASK uncalibrated."""
     labelled = arguments.labelled_policies
-    assert labelled([str(policy_dir), f"tol={policy_dir}"], "pask") == {"pask": str(policy_dir), "tol": str(policy_dir)}
-    assert labelled([str(policy_dir)], "calibrated", reserved="pask") == {"calibrated": str(policy_dir)}
+    assert labelled([str(policy_dir), f"tol={policy_dir}"]) == {"pask": str(policy_dir), "tol": str(policy_dir)}
+    assert labelled([], ["full", "snapkv"]) == {}  # nothing runs plain pask's policy: nothing to resolve
+    assert labelled([], ["full", "pask"]) == {"pask": "auto"}
+    assert labelled([], ["pask:w8"]) == {"pask": "auto"}  # a variant without a policy of its own runs pask's
+    assert labelled([f"tol={policy_dir}"], ["pask:tol"]) == {"tol": str(policy_dir)}
+    assert labelled(["none"], ["pask"]) == {"pask": "none"} == labelled(["pask=none"], ["pask"])
+    assert labelled(["tol=auto"], ["pask"]) == {"tol": "auto", "pask": "auto"}
     refusals = {
-        "a label other than 'pask'": ([f"pask={policy_dir}"], "calibrated", "pask"),
-        "each label once": ([str(policy_dir), f"pask={policy_dir}"], "pask", None),
-        "with a path": (["tol="], "pask", None),
-        "no such policy directory": ([f"tol={tmp_path / 'missing'}"], "pask", None),
+        "each label once": [str(policy_dir), f"pask={policy_dir}"],
+        "with a path": ["tol="],
+        "none is for plain pask": ["tol=none"],
+        "no such policy directory": [f"tol={tmp_path / 'missing'}"],
     }
-    for message, (entries, default, reserved) in refusals.items():
+    for message, entries in refusals.items():
         with pytest.raises(arguments.UsageError, match=message):
-            labelled(entries, default, reserved=reserved)
+            labelled(entries)
+
+
+class Ran(Exception):
+    """Raised where a command would start its model work, carrying what it would run with."""
+
+
+def fake_checkpoint(monkeypatch) -> None:
+    """`Checkpoint.open` -> a checkpoint with the fingerprint the shipped 0.5B policy fits, and nothing else."""
+    from pask_jax.checkpoint import Checkpoint
+    from pask_jax.policy import SHIPPED_POLICIES, PersistencePolicy
+
+    fits = PersistencePolicy.load(SHIPPED_POLICIES / "qwen2.5-coder-0.5b").fits
+    fake = argparse.Namespace(fingerprint=fits, tokenizer=None, chat_template=None, weights=lambda *a, **k: None)
+    monkeypatch.setattr(Checkpoint, "open", classmethod(lambda cls, name: fake))
+    monkeypatch.setattr("pask_jax.experiments.commands.enable_compile_cache", lambda: None)
+
+
+def shipped_hash() -> str:
+    from pask_jax.policy import SHIPPED_POLICIES, PersistencePolicy
+
+    return PersistencePolicy.load(SHIPPED_POLICIES / "qwen2.5-coder-0.5b").content_hash()
+
+
+def test_bfcl_runs_pask_under_the_shipped_policy_by_default_and_uncalibrated_under_policy_none(
+    monkeypatch, policy_dir: Path
+):
+    """`--policy` as `pask-jax run` reads it: auto (the default) is the shipped policy that fits the model, none is
+    PASK uncalibrated; the policies handed to the sweep (and recorded in its results file with their hashes)."""
+    from pask_jax.experiments.bfcl import evaluate
+    from pask_jax.factory import resolve_spec
+
+    fake_checkpoint(monkeypatch)
+
+    def run_bfcl(model, tokenizer, name, cfg, *, method_config, policies, **kwargs):
+        raise Ran(policies, evaluate.run_config(cfg, method_config, policies))
+
+    monkeypatch.setattr(evaluate, "run_bfcl", run_bfcl)
+
+    def ran(*flags):
+        with pytest.raises(Ran) as info:
+            cli.main(["bfcl", "--methods", "full,pask", *flags])
+        return info.value.args
+
+    policies, config = ran()
+    assert set(policies) == {"pask"} and policies["pask"].content_hash() == shipped_hash()
+    assert resolve_spec("pask", {}, policies).policy is policies["pask"]
+    assert config["policies"]["pask"]["content_hash"] == shipped_hash()
+    assert ran("--policy", "auto")[0]["pask"].content_hash() == shipped_hash()
+    policies, config = ran("--policy", "none")
+    assert policies == {} and config["policies"] == {}
+    assert resolve_spec("pask", {}, policies).policy is None  # PASK uncalibrated
+    with pytest.raises(Ran) as info:  # no spec runs plain pask's policy: none is resolved or recorded
+        cli.main(["bfcl", "--methods", "full"])
+    assert info.value.args[0] == {}
+
+
+def test_niah_runs_plain_pask_under_the_shipped_policy_by_default_and_uncalibrated_under_policy_none(monkeypatch):
+    from pask_jax.experiments import niah
+
+    fake_checkpoint(monkeypatch)
+
+    def check_methods(cfg, method_config, policies, fingerprint):
+        raise Ran(cfg.methods, policies)
+
+    monkeypatch.setattr(niah, "check_methods", check_methods)
+
+    def ran(*flags):
+        with pytest.raises(Ran) as info:
+            cli.main(["niah", "--out", "/tmp/pask-jax-never-written.json", *flags])
+        return info.value.args
+
+    methods, policies = ran()
+    assert "pask" in methods and policies["pask"].content_hash() == shipped_hash()
+    methods, policies = ran("--policy", "none", "--policy", "shipped=auto")
+    assert "pask:shipped" in methods and set(policies) == {"shipped"}  # plain pask uncalibrated beside it
+    assert policies["shipped"].content_hash() == shipped_hash()
+
+
+def test_run_policy_none_is_pask_uncalibrated():
+    args = argparse.Namespace(method="pask", method_config=None, budget=0.33, policy="none")
+    assert cli._llm_options(args)["policy"] is None  # LLM(policy=None): PASK uncalibrated
+    args.policy = "auto"
+    assert cli._llm_options(args)["policy"] == "auto"
+
+
+def test_bench_help_names_every_benchmark(capsys):
+    """`pask-jax bench --help` (and `pask-jax --help`) list every benchmark: every module of experiments/bench with a
+    `main`, each with its line."""
+    import pask_jax.experiments.bench as bench
+
+    modules = sorted(
+        p.stem for p in Path(bench.__file__).parent.glob("*.py") if p.stem[0] != "_" and "\ndef main(" in p.read_text()
+    )
+    assert sorted(bench.BENCHMARKS) == modules
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for name, about in bench.BENCHMARKS.items():
+        assert re.search(rf"^  {name} +{re.escape(about)}$", out, re.MULTILINE), name
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    top = " ".join(capsys.readouterr().out.split())  # argparse wraps the help column
+    assert "benchmarks: " + " | ".join(bench.BENCHMARKS) in top

@@ -13,7 +13,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pask_jax.batch import run_batch
+from pask_jax.batch_file import run_batch
 from pask_jax.compare import call_is_valid, compare_outputs
 from pask_jax.llm import LLM
 from pask_jax.models.chat_template import ChatTemplate

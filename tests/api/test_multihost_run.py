@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 from support import free_port
 from test_batch import CountingLLM, _line, _records, _write
 
-from pask_jax.batch import process_output_path, run_batch
+from pask_jax.batch_file import process_output_path, run_batch
 
 DATA = Path(__file__).parents[1] / "data"
 ROOT = Path(__file__).parents[2]

@@ -215,7 +215,7 @@ def calibrate_command(model_dir: Path, data: Path, out: Path, *extra: str) -> li
 
 def test_calibrate_command_resumes_and_its_policy_survives_moves(model_dir: Path, tmp_path: Path, capsys):
     from pask_jax import load_tokenizer
-    from pask_jax.batch import read_input, run_batch
+    from pask_jax.batch_file import read_input, run_batch
     from pask_jax.llm import LLM
     from pask_jax.models.loading import load_config
     from pask_jax.policy import ModelFingerprint, PersistencePolicy

@@ -221,7 +221,7 @@ def test_a_policy_must_answer_every_budget():
         (["--haystacks", "essays"], "haystack 'essays'"),
         (["--methods", "full,magic"], "unknown method 'magic'"),
         (["--max-new-tokens", "16"], "json answer may need 25"),
-        (["--policy", "pask=somewhere"], "other than 'pask'"),
+        (["--policy", "calibrated=none"], "none is for plain pask"),
     ],
 )
 def test_the_cli_refuses_bad_settings_before_the_model_loads(flags, message, tmp_path, capsys, monkeypatch):

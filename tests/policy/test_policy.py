@@ -32,6 +32,7 @@ from pask_jax.runtime.engine import Engine
 from pask_jax.structure.roles import Role, num_roles
 
 REPO = Path(__file__).parents[2]
+EXPERIMENTAL_POLICIES = REPO / "results" / "policies"  # experimental and ablation policies (not shipped)
 R, G = num_roles(), 2
 SHIPPED = SHIPPED_POLICIES / "qwen2.5-coder-0.5b"
 SHIPPED_STATS = REPO / "results" / "calibration_qwen2.5-coder-0.5b_schema36.json"  # what the shipped tables came from
@@ -320,8 +321,8 @@ def test_shipped_policies_load_and_obey_their_budgets(name: str, layers: int, hi
 
 
 def test_shipped_policy_is_section_1s():
-    """RESULTS.md scores `policies/qwen2.5-coder-0.5b-schema36`; the package ships the same tables."""
-    assert PersistencePolicy.load(REPO / "policies" / "qwen2.5-coder-0.5b-schema36").content_hash() == SHIPPED_HASH
+    """RESULTS.md scores `results/policies/qwen2.5-coder-0.5b-schema36`; the package ships the same tables."""
+    assert PersistencePolicy.load(EXPERIMENTAL_POLICIES / "qwen2.5-coder-0.5b-schema36").content_hash() == SHIPPED_HASH
 
 
 @pytest.mark.parametrize(
@@ -333,9 +334,9 @@ def test_shipped_policy_is_section_1s():
             SHIPPED_POLICIES / "qwen2.5-coder-1.5b",
             "none",
         ),
-        (OWN16_STATS, REPO / "policies" / "qwen2.5-coder-0.5b-own16", "none"),
+        (OWN16_STATS, EXPERIMENTAL_POLICIES / "qwen2.5-coder-0.5b-own16", "none"),
         *[
-            (OWN16_STATS, REPO / "policies" / "qwen2.5-coder-0.5b-ablations" / a, a)
+            (OWN16_STATS, EXPERIMENTAL_POLICIES / "qwen2.5-coder-0.5b-ablations" / a, a)
             for a in ("no_floors", "no_distortion", "one_role", "one_group")
         ],
     ],

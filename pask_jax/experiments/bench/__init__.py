@@ -32,6 +32,7 @@ USAGE = (
     + ",".join(BENCHMARKS)
     + "} [ARGS]\n\n"
     + "\n".join(f"  {name:<11} {about}" for name, about in BENCHMARKS.items())
+    + "\n\n`pask-jax bench BENCHMARK --help` lists a benchmark's own arguments."
 )
 
 

@@ -3,7 +3,7 @@ to the first answer from a loaded model.
 
     pask-jax bench compile [--model qwen2.5-coder-0.5b] [--methods full,snapkv,h2o,dapq,pask] [--budget 0.33]
                            [--prompt-tokens 512,2048] [--batch 1] [--new-tokens 64] [--out results/bench_compile.json]
-                           [--shared] [--plans-per-prefill 9] [--method-config TOML] [--policy [LABEL=]PATH ...]
+                           [--shared] [--plans-per-prefill 9] [--method-config TOML] [--policy [LABEL=]VALUE ...]
 
 Everything runs in one process with a fresh, empty persistent XLA cache (a temporary `jax_compilation_cache_dir`,
 every executable cached whatever its compile time):
@@ -22,7 +22,8 @@ every executable cached whatever its compile time):
    whose decode is another's executable is a cache hit), with the total per prompt length.
 
 Methods are specs as the sweeps name them (`NAME` or `NAME:LABEL`): labelled variants from --method-config, PASK's
-policies from --policy (LABEL=PATH; unlabelled: the policy of `pask`); `pask` without one runs the shipped policy.
+policies from --policy as `pask-jax bfcl` takes them (LABEL=PATH for `pask:LABEL`; unlabelled: the policy of `pask`
+and of the first answer, auto (the shipped one) unless given, none for PASK uncalibrated).
 
 `--model tiny` runs a random 2-layer model (no tokenizer: no first-answer figure), for tests.
 """
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import jax
 
-from pask_jax.arguments import int_at_least, labelled_policies
+from pask_jax.arguments import AUTO_POLICY, NO_POLICY, PLAIN_PASK, int_at_least, labelled_policies
 from pask_jax.experiments.bench.machine import code_state, int_list, machine_info, write_result
 from pask_jax.experiments.sweep import PLANS_PER_PREFILL, prefill_groups
 
@@ -138,27 +139,38 @@ def first_answer(llm, request: dict) -> dict:
     return {"seconds": seconds, "tool_calls": len(message.get("tool_calls") or []), "ttft_s": answer["pask"]["ttft_s"]}
 
 
-def load(model: str, specs: dict, budget: float):
-    """model, {spec: MethodSpec} -> ({spec: engine}, LLM or None); the engines share the LLM's loaded weights, and
-    PASK without a policy of its own runs the LLM's (the shipped one)."""
-    from pask_jax.factory import make_engine
+def load(model: str, methods: list[str], method_config: dict, policies: dict[str, str], budget: float):
+    """model, method specs, --policy values by label -> ({spec: engine}, LLM or None, {label: policy hash}); the
+    engines share the LLM's loaded weights, and the policies are resolved for the model as `pask-jax run` resolves
+    one (the first answer runs plain pask's)."""
+    from pask_jax.factory import make_engine, resolve_spec
 
-    def engine(qwen, spec, shipped=None):
-        full = spec.name == "full"  # full KV keeps everything: its budget is 1
-        policy = spec.policy or (shipped if spec.name == "pask" else None)
-        return make_engine(qwen, spec.name, 1.0 if full else budget, policy=policy, overrides=dict(spec.overrides))
+    def engines(qwen, resolved: dict) -> dict:
+        out = {}
+        for name in methods:
+            spec = resolve_spec(name, method_config, resolved)
+            full = spec.name == "full"  # full KV keeps everything: its budget is 1
+            out[name] = make_engine(
+                qwen, spec.name, 1.0 if full else budget, policy=spec.policy, overrides=dict(spec.overrides)
+            )
+        return out
 
-    if model == TINY:
+    if model == TINY:  # a random model: no shipped policy fits it, so auto runs PASK uncalibrated
         from flax import nnx
 
         from pask_jax.models.decoder import Decoder, ModelConfig
+        from pask_jax.policy import PersistencePolicy
 
         qwen = Decoder(ModelConfig.tiny("qwen2", vocab_size=256), rngs=nnx.Rngs(0))
-        return {name: engine(qwen, spec) for name, spec in specs.items()}, None
+        resolved = {k: PersistencePolicy.load(v) for k, v in policies.items() if v not in (AUTO_POLICY, NO_POLICY)}
+        return engines(qwen, resolved), None, {k: p.content_hash() for k, p in resolved.items()}
+    from pask_jax.checkpoint import Checkpoint
+    from pask_jax.experiments.sweep import resolve_policies
     from pask_jax.llm import LLM
 
-    llm = LLM(model, method="pask", budget=budget)
-    return {name: engine(llm.model, spec, llm.policy) for name, spec in specs.items()}, llm
+    resolved = resolve_policies(policies, Checkpoint.open(model).fingerprint)
+    llm = LLM(model, method="pask", budget=budget, policy=resolved.get(PLAIN_PASK))
+    return engines(llm.model, resolved), llm, {k: p.content_hash() for k, p in resolved.items()}
 
 
 def _print_steps(label: str, prompt_tokens: int, cold: dict, warm: dict) -> None:
@@ -176,7 +188,10 @@ def _print_steps(label: str, prompt_tokens: int, cold: dict, warm: dict) -> None
 def run(args: argparse.Namespace) -> dict:
     cache = Path(tempfile.mkdtemp(prefix="pask-jax-xla-"))
     use_fresh_cache(cache)
-    engines, llm = load(args.model, args.specs, args.budget)
+    from pask_jax.methods import load_method_config
+
+    method_config = load_method_config(args.method_config)
+    engines, llm, hashes = load(args.model, list(args.specs), method_config, args.policies, args.budget)
     result: dict = {
         "benchmark": "compile",
         "model": args.model,
@@ -188,6 +203,7 @@ def run(args: argparse.Namespace) -> dict:
         "methods": list(args.specs),
         "method_config": args.method_config,
         "policies": args.policy or [],
+        "policy_hashes": hashes,
         "machine": machine_info(),
         "code": code_state(),
         "xla_cache_dir": str(cache),
@@ -239,7 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"with --shared: methods compiled into one shared prefill (default {PLANS_PER_PREFILL})",
     )
     p.add_argument("--method-config", help="TOML of method variants and overrides, on top of configs/methods.toml")
-    p.add_argument("--policy", action="append", help="[LABEL=]PATH: a compiled PASK policy for pask:LABEL (repeatable)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        help="plain pask's (and the first answer's) policy: auto (default: the shipped one), a directory, or none "
+        "(PASK uncalibrated); LABEL=PATH: the policy of pask:LABEL (repeatable)",
+    )
     return p
 
 
@@ -253,11 +274,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.method_config and not Path(args.method_config).is_file():
         parser.error(f"--method-config {args.method_config}: no such file")
     method_config = load_method_config(args.method_config)
+    methods = args.methods.split(",")
     try:
-        policies = {
-            label: PersistencePolicy.load(path) for label, path in labelled_policies(args.policy or [], "pask").items()
+        args.policies = labelled_policies(args.policy or [], [PLAIN_PASK, *methods])  # the first answer runs pask
+        # before the model loads: every label, and the budget of every policy given as a directory
+        given = {
+            k: None if v in (AUTO_POLICY, NO_POLICY) else PersistencePolicy.load(v) for k, v in args.policies.items()
         }
-        args.specs = {spec: resolve_spec(spec, method_config, policies) for spec in args.methods.split(",")}
+        args.specs = {spec: resolve_spec(spec, method_config, given) for spec in methods}
         for spec in args.specs.values():
             if spec.policy is not None:
                 spec.policy.table(args.budget)  # a policy that cannot answer the budget: before the model loads

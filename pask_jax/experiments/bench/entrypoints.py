@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pask_jax.arguments import AUTO_POLICY, policy_spec
 from pask_jax.experiments import bfcl
 from pask_jax.experiments.bench.machine import machine_info
 
@@ -30,7 +31,7 @@ DEFAULT_CATEGORIES = ("simple_python", "multiple", "live_simple", "live_multiple
 
 
 def _run_side(llm, items: list[dict], max_tokens: int, workdir: Path, tag: str) -> dict:
-    from pask_jax.batch import run_batch
+    from pask_jax.batch_file import run_batch
     from pask_jax.experiments.bfcl.prompt import bfcl_request_body
 
     requests = workdir / f"requests_{tag}.jsonl"
@@ -114,7 +115,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--method", default="pask")
     parser.add_argument("--budget", type=float, default=0.33)
-    parser.add_argument("--policy", default="auto", help="for pask: a policy directory, or auto (the shipped one)")
+    parser.add_argument(
+        "--policy",
+        default=AUTO_POLICY,
+        help="for pask, as `pask-jax run` takes it: auto (the shipped one), a policy directory, or none (uncalibrated)",
+    )
     parser.add_argument("--categories", default=",".join(DEFAULT_CATEGORIES))
     parser.add_argument("--per-category", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -130,7 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
     from pask_jax.experiments.bfcl.evaluate import EvalConfig
     from pask_jax.llm import LLM
 
-    llm = LLM(args.model, method=args.method, budget=args.budget, policy=args.policy, max_batch=args.batch_size)
+    llm = LLM(
+        args.model, method=args.method, budget=args.budget, policy=policy_spec(args.policy), max_batch=args.batch_size
+    )
     llm.engine  # noqa: B018  (loads the model before any timing)
     cfg = EvalConfig(
         methods=(args.method,),

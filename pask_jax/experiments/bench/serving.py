@@ -58,6 +58,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+from pask_jax.arguments import AUTO_POLICY, NO_POLICY, policy_spec
 from pask_jax.experiments.bench.machine import code_state, compiles_so_far, device_peak_bytes, machine_info
 from pask_jax.experiments.bench.stream import (
     SCHEDULERS,
@@ -79,7 +80,7 @@ from pask_jax.runtime.shapes import NEW_TOKEN_BUCKET, BatchShape, new_token_buck
 from pask_jax.structure import GrammarConstraint
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
-DEFAULT_POLICY = "auto"  # the shipped policy that fits the model
+DEFAULT_POLICY = AUTO_POLICY  # the shipped policy that fits the model
 TINY = "tiny"
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
 QUICK = dict(
@@ -623,7 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         default=DEFAULT_POLICY,
-        help="PASK policy: 'auto' (the shipped one that fits the model), a directory, or '' (uncalibrated PASK)",
+        help="PASK policy, as `pask-jax run` takes it: auto (the shipped one that fits the model), a directory, or "
+        "none (PASK uncalibrated)",
     )
     p.add_argument("--stop-at-eos", action="store_true", help="stop a row at EOS (default: fixed-length generation)")
     p.add_argument("--no-memory-analysis", action="store_true", help="skip XLA's compiled memory analysis")
@@ -681,7 +683,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         memory_batch=number("memory_batch"),
         max_batch=number("max_batch"),
         pool=number("pool"),
-        policy=args.policy or None,
+        policy=policy_spec(args.policy or NO_POLICY),  # '' as none, as before
         stop_at_eos=args.stop_at_eos,
         memory_analysis=not args.no_memory_analysis,
         sweep_method=args.sweep_method,
