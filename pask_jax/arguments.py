@@ -16,14 +16,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-METHOD_NAMES = ("full", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "dapq", "pask")  # = methods.METHODS
+METHOD_NAMES = (
+    *("full", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "dapq", "pask", "kivi", "int8", "fp8"),
+)  # = methods.METHODS
+STORAGE_NAMES = ("bf16", "int8", "fp8", "int4")  # what `NAME@STORAGE` may store an eviction method's entries as
 GRAMMAR_BACKENDS = ("outlines", "llguidance")  # ours (schema translation + outlines-core), or llguidance's compiler
 
 
 def method_spec(spec: str) -> str:
-    """`NAME` or `NAME:LABEL` (a labelled variant of the method config), its method checked without importing JAX."""
-    if spec.partition(":")[0] not in METHOD_NAMES:
-        raise argparse.ArgumentTypeError(f"unknown method {spec!r}; known: {', '.join(METHOD_NAMES)} (or NAME:LABEL)")
+    """`NAME`, `NAME:LABEL` (a labelled variant of the method config), either with `@STORAGE` (the cache's entries
+    stored as int8, fp8 or int4 instead of bf16), checked without importing JAX."""
+    base, _, storage = spec.partition("@")
+    if base.partition(":")[0] not in METHOD_NAMES:
+        known = ", ".join(METHOD_NAMES)
+        raise argparse.ArgumentTypeError(f"unknown method {spec!r}; known: {known} (or NAME:LABEL, NAME@STORAGE)")
+    if "@" in spec and storage not in STORAGE_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown storage {storage!r} in {spec!r}; one of {', '.join(STORAGE_NAMES)}")
     return spec
 
 

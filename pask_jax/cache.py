@@ -184,10 +184,11 @@ class GroupCache:
             whole = min(n // block, self.blocks.blocks)  # blocks the static shapes can fill
             blocks = jnp.minimum(count // block, whole)  # i32[B, K]
             down = whole * block
-            cache = dataclasses.replace(
-                self, blocks=self.blocks.fill(layer, *(x[:, :, :down] for x in kept[:4]), blocks)
-            )
-            rest = blocks * block + jnp.arange(min(n, self.capacity))[None, None]  # [B, K, c] the entries left
+            if whole:  # a prompt shorter than a block keeps it all in slots
+                cache = dataclasses.replace(
+                    self, blocks=self.blocks.fill(layer, *(x[:, :, :down] for x in kept[:4]), blocks)
+                )
+            rest = (blocks * block)[..., None] + jnp.arange(min(n, self.capacity))  # [B, K, c] the entries left
             kept = [
                 jnp.take_along_axis(
                     x, jnp.minimum(rest, n - 1) if x.ndim == 3 else jnp.minimum(rest, n - 1)[..., None], 2

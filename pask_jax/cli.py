@@ -89,13 +89,15 @@ def _llm_options(args: argparse.Namespace) -> dict:
     from pask_jax.factory import resolve_spec
     from pask_jax.methods import load_method_config
 
-    method, overrides = args.method.partition(":")[0], None
+    base, _, storage = args.method.partition("@")
+    name, overrides = base.partition(":")[0], None
+    method = f"{name}@{storage}" if storage else name
     if ":" in args.method or args.method_config:
         # a ValueError (an unknown label, a bad config file): main reports it, `pask-jax run: error: ...`, status 2
         overrides = resolve_spec(args.method, load_method_config(args.method_config)).overrides
     policy = policy_spec(args.policy)
     return dict(
-        method=method, budget=args.budget, policy=policy if method == "pask" else None, method_overrides=overrides
+        method=method, budget=args.budget, policy=policy if name == "pask" else None, method_overrides=overrides
     )
 
 

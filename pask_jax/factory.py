@@ -17,6 +17,7 @@ from pask_jax.models.decoder import Decoder
 from pask_jax.policy import PersistencePolicy
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.shapes import DEFAULT_LENGTH_BUCKETS, PREFILL_CHUNK
+from pask_jax.storage import Storage
 
 DEFAULT_GROUPS = 4
 
@@ -30,6 +31,12 @@ class MethodSpec:
     label: str = ""
     overrides: Mapping = dataclasses.field(default_factory=dict)  # hyper-parameters over the dataclass defaults
     policy: PersistencePolicy | None = None  # PASK's policy (None: uncalibrated, or not PASK)
+    storage: str = ""  # `NAME@STORAGE`: what the cache stores entries as (empty: the method's own, else bf16)
+
+    @property
+    def method(self) -> str:
+        """The method as `make_engine` takes it: NAME, or NAME@STORAGE."""
+        return f"{self.name}@{self.storage}" if self.storage else self.name
 
 
 def resolve_spec(
@@ -39,17 +46,20 @@ def resolve_spec(
     own; PASK's policy labelled LABEL, else the one labelled "pask". ValueError for an unknown method or a label with
     neither a config section nor a policy."""
     policies = policies or {}
-    name, _, label = spec.partition(":")
+    base, _, storage = spec.partition("@")
+    if storage:
+        Storage.parse(storage)  # ValueError naming the storages there are
+    name, _, label = base.partition(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r} in {spec!r}; known: {', '.join(METHODS)}")
-    if label and spec not in method_config and not (name == "pask" and label in policies):
+    if label and base not in method_config and not (name == "pask" and label in policies):
         variants = ", ".join(s for s in method_config if s.startswith(name + ":")) or "none"
         raise ValueError(
             f"{spec!r}: a label must name a method-config section [{spec!r}] (or, for pask, a --policy LABEL=PATH); "
             f"the config's {name} variants: {variants}"
         )
     policy = policies.get(label, policies.get("pask")) if name == "pask" else None
-    return MethodSpec(name, label, method_config.get(name, {}) | method_config.get(spec, {}), policy)
+    return MethodSpec(name, label, method_config.get(name, {}) | method_config.get(base, {}), policy, storage)
 
 
 def make_engine(
@@ -73,6 +83,8 @@ def make_engine(
     must answer `budget`; the layer groups then come from it (`num_groups` must agree if given). Full KV keeps
     every entry: its budget must be 1. `mesh`: a (`data`, `model`) device mesh (`make_mesh`), see `Engine`.
     """
+    method, _, stored = method.partition("@")
+    storage = Storage.parse(stored) if stored else None
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     if not 0.0 < budget <= 1.0:
@@ -97,4 +109,5 @@ def make_engine(
         mesh=mesh,
         length_buckets=length_buckets,
         prefill_chunk=prefill_chunk,
+        storage=storage,
     )

@@ -94,8 +94,8 @@ class LLM:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1")
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose from {', '.join(SCHEDULERS)}")
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+        if method.partition("@")[0] not in METHODS:
+            raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)} (or NAME@STORAGE)")
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"budget={budget} must be in (0, 1]")
         self.mesh = None if mesh is None else check_mesh(mesh)

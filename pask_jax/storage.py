@@ -60,12 +60,19 @@ class Storage:
         return 0 if self.blocks is None else self.blocks[0].group
 
     @property
+    def lossless(self) -> bool:
+        """Whether attention reads exactly what was written (full precision, no block pool)."""
+        return self.slots.full and self.blocks is None
+
+    @property
     def name(self) -> str:
         """The storage as a method spec names it (`snapkv@int8`): a preset name, or bf16 for full precision."""
+        if self.blocks is not None:
+            return f"kivi{self.blocks[0].bits}"
         for preset, formats in PRESETS.items():
-            if self.blocks == formats or (self.blocks is None and formats == (self.slots, self.slots)):
+            if formats == (self.slots, self.slots):
                 return "bf16" if preset == "full" else preset
-        return repr(self)
+        return repr(self.slots)
 
     @classmethod
     def parse(cls, name: str) -> Storage:

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from pask_jax.calibration.compiler import compile_policy
-from pask_jax.methods import METHODS, DapQ, KVMethod, PaskKV, PyramidKV, SnapKV
+from pask_jax.methods import KIVI, METHODS, DapQ, KVMethod, PaskKV, PyramidKV, SnapKV
 from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.rows import Generation
@@ -76,6 +76,7 @@ CASES: dict[str, Callable[[float], KVMethod]] = {
     "snapkv_window8_avg": lambda budget: SnapKV(window=8, pooling="avg"),
     "pyramidkv_window4": lambda budget: PyramidKV(window=4),
     "pyramidkv_window_inside": lambda budget: PyramidKV(window=4, allotment="pyramid"),
+    "kivi_group8": lambda budget: KIVI(group=8, residual=8),  # blocks and window flushes within PROMPTS + NEW
     "dapq_last": lambda budget: DapQ(content="last", num_pseudo=8),
     "dapq_random": lambda budget: DapQ(content="random", num_pseudo=8),
     "dapq_max_pooled": lambda budget: DapQ(num_pseudo=8, pooling="max"),

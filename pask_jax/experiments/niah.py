@@ -139,7 +139,7 @@ class NiahConfig:
             if len(set(values)) != len(values):
                 raise NiahError(f"{name}: {list(values)} lists a value twice")
         for spec in self.methods:
-            if spec.partition(":")[0] not in METHODS:
+            if spec.partition("@")[0].partition(":")[0] not in METHODS:
                 raise NiahError(f"unknown method {spec!r}; known: {', '.join(METHODS)} (or pask:LABEL)")
         for budget in self.budgets:
             if not 0.0 < budget <= 1.0:

@@ -9,7 +9,9 @@ from pask_jax.methods.base import KVMethod
 from pask_jax.methods.dapq import DapQ
 from pask_jax.methods.full import FullKV
 from pask_jax.methods.h2o import H2O
+from pask_jax.methods.kivi import KIVI
 from pask_jax.methods.pask import PaskKV
+from pask_jax.methods.per_token import FP8KV, Int8KV
 from pask_jax.methods.pyramidkv import PyramidKV
 from pask_jax.methods.random_kv import RandomKV
 from pask_jax.methods.snapkv import SnapKV
@@ -17,7 +19,7 @@ from pask_jax.methods.streamingllm import StreamingLLM
 
 DEFAULT_METHOD_CONFIG = importlib.resources.files("pask_jax") / "configs" / "methods.toml"
 METHODS: dict[str, type[KVMethod]] = {
-    m.name: m for m in (FullKV, RandomKV, StreamingLLM, H2O, SnapKV, PyramidKV, DapQ, PaskKV)
+    m.name: m for m in (FullKV, RandomKV, StreamingLLM, H2O, SnapKV, PyramidKV, DapQ, PaskKV, KIVI, Int8KV, FP8KV)
 }
 
 
@@ -62,8 +64,11 @@ def make_method(name: str, overrides: dict | None = None, *, policy=None, budget
 __all__ = [
     "METHODS",
     "DapQ",
+    "FP8KV",
     "FullKV",
     "H2O",
+    "KIVI",
+    "Int8KV",
     "KVMethod",
     "PaskKV",
     "PyramidKV",

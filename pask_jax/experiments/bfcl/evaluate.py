@@ -218,7 +218,7 @@ def build_engines(
         for budget in cfg.budgets if method.name != "full" else (1.0,):  # full KV ignores the budget: run it once
             engines[(spec, budget)] = make_engine(
                 model,
-                method.name,
+                method.method,
                 budget,
                 policy=method.policy,
                 overrides=method.overrides,

@@ -1,0 +1,182 @@
+"""Quantized storage and the byte budget: what an entry costs, the block pool's invariants, a quantized slot pool,
+the window going down a block, attention over both pools, and the method specs that choose a storage."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pask_jax.arguments import STORAGE_NAMES, method_spec
+from pask_jax.attention import decode_attention
+from pask_jax.cache import GroupCache
+from pask_jax.factory import make_engine, resolve_spec
+from pask_jax.kernels.quantize import FP8, INT8, PRESETS, KVFormat, dequantize, quantize
+from pask_jax.methods import KIVI
+from pask_jax.models.decoder import Decoder, ModelConfig
+from pask_jax.runtime.sampling import SamplingConfig
+from pask_jax.storage import Storage, full_entry_bytes
+
+B, K, H, T = 2, 2, 8, 4  # rows, KV heads, head_dim, block length
+KIVI2 = (KVFormat(2, "int", "channel", T), KVFormat(2, "int", "token", H))
+
+
+def test_entry_bytes_at_head_dim_64():
+    # reference 256 = 2 x 64 x 2; slot metadata 15 = pos 4 + role 1 + tool 2 + score 4 + table 4
+    assert full_entry_bytes(64) == 256
+    assert Storage().slot_entry_bytes(64) == 256 + 15
+    assert Storage(slots=INT8).slot_entry_bytes(64) == 2 * 66 + 15
+    assert Storage(slots=FP8).slot_entry_bytes(64) == 2 * 66 + 15
+    assert Storage(slots=PRESETS["int4"][0]).slot_entry_bytes(64) == 2 * 40 + 15
+    # a block entry: key and value codes + their share of the f16 scales and zeros, pos 4 + role 1, table 4 / block
+    assert Storage(blocks=PRESETS["kivi2"]).block_entry_bytes(64) == 24 + 24 + 5 + 4 / 32
+    assert Storage(blocks=PRESETS["kivi4"]).block_entry_bytes(64) == 40 + 40 + 5 + 4 / 32
+
+
+def test_storage_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="per token"):
+        Storage(slots=KIVI2[0])
+    with pytest.raises(ValueError, match="per channel"):
+        Storage(blocks=(INT8, INT8))
+    with pytest.raises(ValueError, match="unknown storage 'int3'"):
+        Storage.parse("int3")
+    assert [Storage.parse(n).name for n in STORAGE_NAMES] == list(STORAGE_NAMES)  # the CLI's JAX-free copy agrees
+
+
+def test_quantized_slot_pool_round_trips_within_its_step():
+    rng = np.random.default_rng(0)
+    for fmt in (INT8, FP8):
+        cache = GroupCache.empty(1, B, K, 6, H, jnp.float32, storage=Storage(slots=fmt))
+        x = jnp.asarray(rng.normal(size=(B, K, H)) * 3, jnp.float32)
+        cache = cache.write(0, x, -x, jnp.array([5, 9]), jnp.array([1, 2]), jnp.ones((B, K), bool))
+        k, v = cache.slot_kv(0)
+        slot = np.asarray(cache.table[0, :, :, 0])  # the slot each (row, head) wrote
+        got = np.take_along_axis(np.asarray(k), slot[..., None, None], axis=2)[:, :, 0]
+        absmax = np.abs(np.asarray(x)).max(-1, keepdims=True)
+        tolerance = absmax / 127 if fmt == INT8 else absmax * 2.0**-4
+        assert (np.abs(got - np.asarray(x)) <= tolerance + 1e-6).all()
+        assert cache.k.codes.dtype == (jnp.int8 if fmt == INT8 else jnp.float8_e4m3fn)
+
+
+def _kivi_cache(blocks: int = 3, slots: int = 10) -> GroupCache:
+    return GroupCache.empty(1, B, K, slots, H, jnp.float32, storage=Storage(blocks=KIVI2, window=2), blocks=blocks)
+
+
+def test_fill_puts_the_oldest_whole_blocks_down_and_the_rest_in_slots():
+    rng = np.random.default_rng(1)
+    p = 11
+    prompt = jnp.asarray(rng.normal(size=(B, p, K, H)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(p), (B, p))
+    keep = jnp.broadcast_to(jnp.arange(p)[::-1], (B, K, p)).astype(jnp.int32)  # newest first, as recency ranks
+    count = jnp.array([[11, 11], [6, 3]], jnp.int32)
+    cache = _kivi_cache().fill(0, prompt, prompt, positions, positions, keep, count)
+    blocks, pos = np.asarray(cache.blocks.count[0]), np.asarray(cache.blocks.pos[0])
+    np.testing.assert_array_equal(blocks, [[2, 2], [1, 0]])  # 11 -> 2 blocks + 3 slots; 6 (newest) -> 1 + 2; 3 -> 3
+    np.testing.assert_array_equal(cache.length[0], [[3, 3], [2, 3]])
+    np.testing.assert_array_equal(pos[0, 0, :2].ravel(), np.arange(8))  # positions 0..7 in blocks, in order
+    np.testing.assert_array_equal(np.sort(np.asarray(cache.pos[0, 0, 0])[:3]), [8, 9, 10])
+    np.testing.assert_array_equal(pos[1, 0, 0], [5, 6, 7, 8])  # the kept 6 are positions 5..10
+    assert (pos[1, 1] == -1).all()
+    k, _ = cache.blocks.dequantized(0)  # f32[B, K, NB * T, H]
+    error = np.abs(np.asarray(k)[0, 0, :8] - np.asarray(prompt)[0, :8, 0])
+    scale = (np.asarray(prompt)[0, :4, 0].max(0) - np.asarray(prompt)[0, :4, 0].min(0)) / 3  # 2 bits: 3 steps
+    assert (error[:4] <= scale / 2 + 1e-2).all()
+
+
+def test_take_down_moves_the_oldest_block_and_keeps_the_table_valid():
+    rng = np.random.default_rng(2)
+    cache = _kivi_cache()
+    for p in range(7):
+        x = jnp.asarray(rng.normal(size=(B, K, H)), jnp.float32)
+        cache = cache.write(0, x, x, jnp.full((B,), p), jnp.zeros((B,), jnp.int32), jnp.ones((B, K), bool))
+    before = cache
+    cache = cache.take_down(0, jnp.array([[True, False], [True, True]]))
+    np.testing.assert_array_equal(cache.length[0], [[3, 7], [3, 3]])
+    np.testing.assert_array_equal(cache.blocks.count[0], [[1, 0], [1, 1]])
+    np.testing.assert_array_equal(cache.blocks.pos[0, 0, 0, 0], [0, 1, 2, 3])
+    table, length, pos = (np.asarray(x[0]) for x in (cache.table, cache.length, cache.pos))
+    for idx in np.ndindex(length.shape):
+        assert sorted(table[idx]) == list(range(cache.capacity))
+        np.testing.assert_array_equal(np.sort(pos[idx][table[idx][: length[idx]]]), np.arange(7 - length[idx], 7))
+    # attention over both pools = attention over the same entries dequantized and laid side by side
+    q = jnp.asarray(rng.normal(size=(B, 2 * K, H)), jnp.float32)
+    for c in (before, cache):
+        k, v = c.slot_kv(0)
+        keys, values, live = [k], [v], [c.pos[0] >= 0]
+        if c.blocks is not None:
+            block_k, block_v = c.blocks.dequantized(0)
+            keys, values, live = keys + [block_k], values + [block_v], live + [c.blocks.live(0).reshape(B, K, -1)]
+        keys, values, live = (jnp.concatenate(x, axis=2) for x in (keys, values, live))
+        logits = jnp.einsum("BKGH,BKSH->BKGS", q.reshape(B, K, 2, H), keys) / np.sqrt(H)
+        probs = jax.nn.softmax(jnp.where(live[:, :, None], logits, -jnp.inf), axis=-1)
+        expected = jnp.einsum("BKGS,BKSH->BKGH", probs, values).reshape(B, 2 * K, H)
+        np.testing.assert_allclose(decode_attention(q, c, 0), expected, atol=1e-5)
+
+
+def test_block_release_frees_the_block_for_the_next_append():
+    rng = np.random.default_rng(3)
+    pool = _kivi_cache(blocks=2).blocks
+    ones = jnp.ones((B, K), bool)
+    for first in (0, 4):
+        x = jnp.asarray(rng.normal(size=(B, K, T, H)), jnp.float32)
+        pos = jnp.broadcast_to(first + jnp.arange(T), (B, K, T))
+        pool = pool.append(0, x, x, pos, jnp.zeros((B, K, T), jnp.int32), ones)
+    full = pool.append(0, x, x, pos + 4, jnp.zeros((B, K, T), jnp.int32), ones)  # no free block: nothing enters
+    np.testing.assert_array_equal(full.count[0], 2)
+    pool = pool.release(0, jnp.zeros((B, K), jnp.int32), jnp.array([[True, False], [False, False]]))
+    np.testing.assert_array_equal(pool.count[0], [[1, 2], [2, 2]])
+    assert (np.asarray(pool.pos[0, 0, 0, 0]) == -1).all() and int(pool.table[0, 0, 0, 0]) == 1
+    pool = pool.append(0, x, x, pos + 4, jnp.zeros((B, K, T), jnp.int32), ones)
+    np.testing.assert_array_equal(pool.pos[0, 0, 0, 0], [8, 9, 10, 11])  # the freed block is the next written
+
+
+def test_codes_are_what_the_quantizer_writes():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(B, K, T, H)), jnp.float32)
+    pool = _kivi_cache(blocks=1).blocks.append(
+        0, x, x, jnp.zeros((B, K, T), jnp.int32), jnp.zeros((B, K, T), jnp.int32), jnp.ones((B, K), bool)
+    )
+    np.testing.assert_array_equal(pool.k.codes[0, :, :, 0], quantize(x, KIVI2[0]).codes)
+    k, v = pool.dequantized(0)
+    np.testing.assert_allclose(k.reshape(x.shape), dequantize(quantize(x, KIVI2[0]), KIVI2[0]))
+    np.testing.assert_allclose(v.reshape(x.shape), dequantize(quantize(x, KIVI2[1]), KIVI2[1]))
+
+
+@pytest.fixture(scope="module")
+def wide_model() -> Decoder:
+    """head_dim 32, so that int4 per token (groups of 32 channels) applies."""
+    return Decoder(ModelConfig.tiny("qwen3", num_layers=2, head_dim=32), rngs=nnx.Rngs(0))
+
+
+def test_a_storage_spec_buys_more_entries_in_the_same_bytes(wide_model: Decoder):
+    prompts = [list(range(3, 60)), list(range(9, 40))]
+    sampling = SamplingConfig(max_new_tokens=8)
+    kept = {}
+    for spec in ("snapkv", "snapkv@int8", "snapkv@int4"):
+        engine = make_engine(wide_model, spec, 0.3, length_buckets=(64,))
+        stats = [g.stats for g in engine.generate(prompts, sampling)]
+        kept[spec] = np.mean([s.kept_ratio_mean for s in stats])
+        assert max(s.kv_bytes_ratio_max for s in stats) <= 0.3 + 0.05  # the byte cap, slack of one entry
+    bf16, int8, int4 = Storage(), Storage.parse("int8"), Storage.parse("int4")
+    for spec, storage in (("snapkv@int8", int8), ("snapkv@int4", int4)):
+        ratio = bf16.slot_entry_bytes(32) / storage.slot_entry_bytes(32)  # 143/87 for int8, 143/55 for int4
+        assert kept[spec] == pytest.approx(kept["snapkv"] * ratio, rel=0.1)
+
+
+def test_method_specs_name_a_storage(wide_model: Decoder):
+    assert make_engine(wide_model, "snapkv@int8", 0.3).storage == Storage.parse("int8")
+    assert make_engine(wide_model, "kivi", 0.5).storage.blocks[0].bits == 4  # the widest the budget pays for
+    assert make_engine(wide_model, "kivi", 0.2).storage.blocks[0].bits == 2
+    assert resolve_spec("snapkv@int4", {}).method == "snapkv@int4"
+    with pytest.raises(ValueError, match="chooses its own storage"):
+        make_engine(wide_model, "kivi@int8", 0.3)
+    with pytest.raises(ValueError, match="unknown storage"):
+        make_engine(wide_model, "snapkv@int3", 0.3)
+    assert method_spec("h2o:w8@fp8") == "h2o:w8@fp8"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown storage 'int2'"):
+        method_spec("snapkv@int2")
+    assert KIVI().widest_bits(0.33, 64) == 2 and KIVI().widest_bits(0.34, 64) == 4  # 85.1 bytes of 256 is 0.3325
