@@ -13,6 +13,10 @@ dispatcher pads it with slot 0 to the next multiple of the block and clamps ``le
 padding is never attended to. That costs a copy of the int32 table, not of K/V; the kernels never visit blocks past
 ``lengths``. An explicit ``block_size`` the kernel cannot take (e.g. a GPU block that is not a power of two >= 16)
 raises the kernel's ValueError.
+
+Quantized pools (``quantized_reference.py``): ``slot_pool_attention`` and ``block_pool_attention`` make the same switch
+between the reference and the kernels of ``quantized_tpu.py`` / ``quantized_gpu.py``, and return the partial softmax
+state (``SoftmaxPartial``) that ``merge_partials`` combines; the slot table is padded to whole blocks the same way.
 """
 
 from __future__ import annotations
@@ -25,8 +29,12 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import pask_jax.kernels.gpu as gpu
+import pask_jax.kernels.quantized_gpu as quantized_gpu
+import pask_jax.kernels.quantized_reference as quantized_reference
+import pask_jax.kernels.quantized_tpu as quantized_tpu
 import pask_jax.kernels.reference as reference
 import pask_jax.kernels.tpu as tpu
+from pask_jax.kernels.quantize import KVFormat, QuantizedBlock
 
 BACKENDS = ("cpu", "gpu", "tpu")
 _TPU_SUBLANES = 8
@@ -89,6 +97,78 @@ def gather_attention(
     return tpu.gather_attention_kernel(
         q, k_slots, v_slots, slot_table, lengths, block_size=block_size, interpret=interpret, scale=scale
     )
+
+
+def _kernel_platform(backend: str | None, interpret: bool | pltpu.InterpretParams | None):
+    """(whose kernel runs: "gpu" or "tpu", interpret) as `gather_attention` picks them."""
+    backend = jax.default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    platform = "gpu" if backend == "gpu" else "tpu"
+    if interpret is None:
+        interpret = backend == "cpu" or jax.default_backend() != platform
+    if platform == "gpu" and not isinstance(interpret, bool):
+        raise ValueError(
+            f"the GPU kernel takes interpret=True or False, got {interpret!r} (InterpretParams simulate a TPU)"
+        )
+    return platform, interpret
+
+
+def slot_pool_attention(
+    q: jax.Array,  # f[B, K, G, H]
+    k: QuantizedBlock,  # codes i8 | f8e4m3fn[B, K, C, H], scale f16[B, K, C, 1]
+    v: QuantizedBlock,  # the same
+    slot_table: jax.Array,  # i32[B, K, S]
+    lengths: jax.Array,  # i32[B, K]
+    *,
+    k_fmt: KVFormat,
+    v_fmt: KVFormat,
+    use_kernel: bool,
+    backend: str | None = None,
+    block_size: int | None = None,  # None: the backend's default, as for gather_attention
+    interpret: bool | pltpu.InterpretParams | None = None,
+    scale: float | None = None,
+) -> quantized_reference.SoftmaxPartial:  # o f32[B, K, G, H], m / l f32[B, K, G]
+    """Partial softmax state over an int8_sym / fp8 slot pool: the XLA reference or a kernel (codes read as codes)."""
+    kw = {"k_fmt": k_fmt, "v_fmt": v_fmt, "scale": scale}
+    if not use_kernel:
+        return quantized_reference.ref_slot_pool_attention(q, k, v, slot_table, lengths, **kw)
+    platform, interpret = _kernel_platform(backend, interpret)
+    if block_size is None:
+        block_size = kernel_block_size(platform, slot_table.shape[-1])
+    slot_table, lengths = _pad_to_blocks(slot_table, lengths, block_size)
+    kernel = (
+        quantized_gpu.slot_pool_attention_gpu_kernel if platform == "gpu" else quantized_tpu.slot_pool_attention_kernel
+    )
+    return kernel(q, k, v, slot_table, lengths, block_size=block_size, interpret=interpret, **kw)
+
+
+def block_pool_attention(
+    q: jax.Array,  # f[B, K, G, H]
+    k: QuantizedBlock,  # codes u8[B, K, NB, Gt, H*bits/8], scale / zero f16[B, K, NB, 1, H]
+    v: QuantizedBlock,  # codes u8[B, K, NB, Gt, H*bits/8], scale / zero f16[B, K, NB, Gt, H/gv]
+    block_table: jax.Array,  # i32[B, K, T]
+    nblocks: jax.Array,  # i32[B, K]
+    live: jax.Array,  # bool | int[B, K, NB, Gt]
+    *,
+    k_fmt: KVFormat,
+    v_fmt: KVFormat,
+    use_kernel: bool,
+    backend: str | None = None,
+    interpret: bool | pltpu.InterpretParams | None = None,
+    scale: float | None = None,
+) -> quantized_reference.SoftmaxPartial:  # o f32[B, K, G, H], m / l f32[B, K, G]
+    """Partial softmax state over a KIVI block pool: the XLA reference or a kernel (codes unpacked in the kernel)."""
+    kw = {"k_fmt": k_fmt, "v_fmt": v_fmt, "scale": scale}
+    if not use_kernel:
+        return quantized_reference.ref_block_pool_attention(q, k, v, block_table, nblocks, live, **kw)
+    platform, interpret = _kernel_platform(backend, interpret)
+    kernel = (
+        quantized_gpu.block_pool_attention_gpu_kernel
+        if platform == "gpu"
+        else quantized_tpu.block_pool_attention_kernel
+    )
+    return kernel(q, k, v, block_table, nblocks, live, interpret=interpret, **kw)
 
 
 def per_row_shards(fn: Callable, axes: tuple[str | None, str | None]) -> Callable:

@@ -254,3 +254,30 @@ def test_validation_errors():
     validate_block_pool(q, k, v2, table, nblocks, live, k_fmt=k_fmt, v_fmt=KVFormat(2, "int", "token", 2))
     with pytest.raises(ValueError, match="value group 2 to be a multiple of the 4 codes"):
         validate_tpu_block_pool(q, k, v2, table, nblocks, live, k_fmt=k_fmt, v_fmt=KVFormat(2, "int", "token", 2))
+
+
+def test_dispatch_pads_the_slot_table_and_switches_reference_and_kernel():
+    from pask_jax.kernels import block_pool_attention, slot_pool_attention
+
+    q, clean, poisoned, table, lengths = slot_case(4, INT8)
+    table, lengths = table[..., :12], jnp.minimum(lengths, 12)  # S = 12: padded to one TPU block of 16
+    kw = {"k_fmt": INT8, "v_fmt": INT8}
+    ref = ref_slot_pool_attention(q, *clean, table, lengths, **kw)
+    assert_partial_close(slot_pool_attention(q, *clean, table, lengths, use_kernel=False, **kw), ref)
+    assert_partial_close(slot_pool_attention(q, *poisoned, table, lengths, use_kernel=True, backend="cpu", **kw), ref)
+    k_fmt, v_fmt = KVFormat(2, "int", "channel", 16), KVFormat(2, "int", "token", 16)
+    q, clean, _, args = block_case(8, k_fmt, v_fmt)
+    want = ref_block_pool_attention(q, *clean, *args, k_fmt=k_fmt, v_fmt=v_fmt)
+    got = block_pool_attention(q, *clean, *args, k_fmt=k_fmt, v_fmt=v_fmt, use_kernel=False)
+    assert_partial_close(got, want)
+    with pytest.raises(ValueError, match="GPU kernel takes interpret=True or False"):
+        block_pool_attention(
+            q,
+            *clean,
+            *args,
+            k_fmt=k_fmt,
+            v_fmt=v_fmt,
+            use_kernel=True,
+            backend="gpu",
+            interpret=pltpu.InterpretParams(),
+        )
