@@ -22,7 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from pask_jax.cache import GroupCache
-from pask_jax.kernels import gather_attention, masked_softmax, per_row_shards
+from pask_jax.kernels import (
+    SoftmaxPartial,
+    block_pool_attention,
+    gather_attention,
+    masked_softmax,
+    merge_partials,
+    per_row_shards,
+    slot_pool_attention,
+)
 
 
 def attention_probs(
@@ -191,20 +199,64 @@ def decode_attention(
     """Decode attention of q to the live entries of one layer of a group cache: its slot pool and block pool.
 
     XLA path: the pools dequantized inside the step (a no-op at full precision), laid end to end, and attended over
-    with the live mask (no gather). `use_kernel`: the Pallas kernel of `jax.default_backend()` gathers the live slots
-    the table names (on CPU the TPU kernel, interpreted), per shard on an active mesh; it reads full-precision slot
-    pools (a quantized or block-pooled cache takes the XLA path).
+    with the live mask (no gather). `use_kernel`: the Pallas kernels of `jax.default_backend()` (on CPU the TPU
+    kernels, interpreted): a full-precision slot pool's gathers the live slots the table names (per shard on an
+    active mesh); an int8 / fp8 slot pool's and a block pool's read the codes and fold the scales in, and their
+    softmax states merge. An int4 / int2 slot pool has no kernel: it takes the XLA path.
     """
     b, n, h = q.shape
     kv_heads = cache.pos.shape[2]
     qg = q.reshape(b, kv_heads, n // kv_heads, h)  # [B, K, G, H]
-    if use_kernel and cache.storage.slots.full and cache.blocks is None:
+    if not use_kernel or cache.storage.slots.kind == "int" and not cache.storage.slots.full:
+        k, v, live = _pools(cache, layer)  # XLA (and int4 / int2 slot pools, which no kernel reads)
+        out = pool_attention(qg, k, v, live)
+    elif cache.storage.lossless:
         kernel = per_row_shards(functools.partial(gather_attention, use_kernel=True), cache.axes)
         out = kernel(qg, cache.k.codes[layer], cache.v.codes[layer], cache.table[layer], cache.length[layer])
-    else:
-        k, v, live = _pools(cache, layer)
-        out = pool_attention(qg, k, v, live)
+    else:  # each pool's kernel reads its codes; their softmax states merge
+        out = merge_partials(_pool_partials(qg, cache, layer)).astype(q.dtype)
     return out.reshape(b, n, h)
+
+
+def _pool_partials(qg: jax.Array, cache: GroupCache, layer: int) -> list[SoftmaxPartial]:
+    """The online-softmax state of each pool of one layer, from its kernel (a full-precision slot pool -- KIVI's
+    window, a few dozen entries -- from XLA)."""
+    at = functools.partial(jax.tree.map, lambda x: x[layer])
+    table, length = cache.table[layer], cache.length[layer]
+    if cache.storage.slots.full:
+        k, v = cache.slot_kv(layer)
+        parts = [_partial(qg, k, v, cache.pos[layer] >= 0)]
+    else:
+        fmt = cache.storage.slots
+        parts = [
+            slot_pool_attention(qg, at(cache.k), at(cache.v), table, length, k_fmt=fmt, v_fmt=fmt, use_kernel=True)
+        ]
+    if cache.blocks is not None:
+        blocks = cache.blocks
+        key, value = blocks.formats
+        parts.append(
+            block_pool_attention(
+                qg,
+                at(blocks.k),
+                at(blocks.v),
+                blocks.table[layer],
+                blocks.count[layer],
+                blocks.live(layer).astype(jnp.int32),
+                k_fmt=key,
+                v_fmt=value,
+                use_kernel=True,
+            )  # fmt: skip
+        )
+    return parts
+
+
+def _partial(q: jax.Array, k: jax.Array, v: jax.Array, live: jax.Array) -> SoftmaxPartial:
+    """q f[B, K, G, H] over k, v f[B, K, C, H] where live (bool[B, K, C]) -> its online-softmax state."""
+    logits = jnp.einsum("BKGH,BKCH->BKGC", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    logits = jnp.where(live[:, :, None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1)  # -inf where nothing is live
+    weights = jnp.where(live[:, :, None], jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
+    return SoftmaxPartial(jnp.einsum("BKGC,BKCH->BKGH", weights, v.astype(jnp.float32)), m, weights.sum(-1))
 
 
 def decode_attention_probs(

@@ -282,6 +282,8 @@ class LLM:
             | {
                 "kept_ratio_mean": round(stats.kept_ratio_mean, 4),
                 "kept_ratio_max": round(stats.kept_ratio_max, 4),
+                "kv_bytes_ratio_mean": round(stats.kv_bytes_ratio_mean, 4),
+                "kv_bytes_ratio_max": round(stats.kv_bytes_ratio_max, 4),
                 "ttft_s": round(stats.ttft_s, 3),
                 "decode_s": round(float(np.sum(stats.token_times_s)), 3),
             },

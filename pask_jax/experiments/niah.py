@@ -523,6 +523,8 @@ def _cell(prompt: NiahPrompt, method: str, budget: float, mode: str, gen, tokeni
         "correct": correct,
         "kept_ratio_mean": round(gen.stats.kept_ratio_mean, 5),
         "kept_ratio_max": round(gen.stats.kept_ratio_max, 5),
+        "kv_bytes_ratio_mean": round(gen.stats.kv_bytes_ratio_mean, 5),
+        "kv_bytes_ratio_max": round(gen.stats.kv_bytes_ratio_max, 5),
         "prompt_tokens": gen.stats.prompt_tokens,
         "haystack_tokens": prompt.haystack_tokens,
         "depth_actual": round(prompt.depth_actual, 2),

@@ -21,7 +21,7 @@ from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.runtime.sampling import SamplingConfig
 from pask_jax.storage import Storage, full_entry_bytes
 
-B, K, H, T = 2, 2, 8, 4  # rows, KV heads, head_dim, block length
+B, K, H, T = 2, 2, 16, 4  # rows, KV heads, head_dim, block length
 KIVI2 = (KVFormat(2, "int", "channel", T), KVFormat(2, "int", "token", H))
 
 
@@ -180,3 +180,20 @@ def test_method_specs_name_a_storage(wide_model: Decoder):
     with pytest.raises(argparse.ArgumentTypeError, match="unknown storage 'int2'"):
         method_spec("snapkv@int2")
     assert KIVI().widest_bits(0.33, 64) == 2 and KIVI().widest_bits(0.34, 64) == 4  # 85.1 bytes of 256 is 0.3325
+
+
+@pytest.mark.parametrize("storage", [Storage(slots=INT8), Storage(slots=FP8), Storage(blocks=KIVI2, window=2)])
+def test_decode_attention_kernels_read_codes_as_the_xla_path_does(storage: Storage):
+    """The Pallas kernels (interpreted) over the same cache -- codes and scales, not dequantized pools -- give the
+    XLA path's attention: an 8-bit slot pool, and KIVI's full-precision window merged with its block pool."""
+    rng = np.random.default_rng(5)
+    cache = GroupCache.empty(1, B, K, 10, 16, jnp.float32, storage=storage, blocks=3)
+    for p in range(9):
+        x = jnp.asarray(rng.normal(size=(B, K, 16)), jnp.float32)
+        cache = cache.write(0, x, -x, jnp.full((B,), p), jnp.zeros((B,), jnp.int32), jnp.ones((B, K), bool))
+    if storage.blocks is not None:
+        cache = cache.take_down(0, jnp.array([[True, True], [True, False]]))
+        cache = cache.evict(0, cache.table[0, :, :, 0], jnp.array([[False, True], [False, False]]))
+    q = jnp.asarray(rng.normal(size=(B, 2 * K, 16)), jnp.float32)
+    xla = decode_attention(q, cache, 0)
+    np.testing.assert_allclose(decode_attention(q, cache, 0, use_kernel=True), xla, atol=2e-5, rtol=1e-5)

@@ -76,7 +76,7 @@ from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import PersistencePolicy, resolve_policy
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.sampling import SamplingConfig
-from pask_jax.runtime.shapes import NEW_TOKEN_BUCKET, BatchShape, new_token_bucket
+from pask_jax.runtime.shapes import NEW_TOKEN_BUCKET, BatchShape, new_token_bucket, pool_sizes
 from pask_jax.structure import GrammarConstraint
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -224,6 +224,7 @@ def generate_once(engine: Engine, workload: Workload, batch: int, max_new_tokens
         "parser_fraction": None if constraint is None else parser_s / max(float(steps.sum()), 1e-12),
         "kept_ratio_mean": float(np.mean([g.stats.kept_ratio_mean for g in gens])),
         "kept_ratio_max": float(np.max([g.stats.kept_ratio_max for g in gens])),
+        "kv_bytes_ratio_max": float(np.max([g.stats.kv_bytes_ratio_max for g in gens])),
         "recompiles": compiles_so_far() - compiles,
     }
 
@@ -328,6 +329,7 @@ def run_record(run: Contender, full: Contender, workload: Workload, cfg: BenchCo
         "peak_memory_bytes": run.memory["peak_bytes"],
         "parser_fraction": float(np.median(parser)) if parser else None,
         "kept_ratio_max": max(r["kept_ratio_max"] for r in run.repeats),
+        "kv_bytes_ratio_max": max(r["kv_bytes_ratio_max"] for r in run.repeats),
         "recompiles_after_warmup": sum(r["recompiles"] for r in run.repeats),
         "ratio_vs_full": ratio,
         "ratio_spread": ratio_spread,
@@ -378,7 +380,7 @@ def decode_sweep(setup: Setup, workload: Workload, cfg: BenchConfig, progress: C
     points = []
     for budget, engine in engines.items():
         capacities = rows_shape(engine, workload.prompt_bucket, cfg.max_new_tokens, 1).capacities
-        slots = [capacities[g] for g, (a, b) in enumerate(engine.plan.groups) for _ in range(a, b)]
+        slots = [pool_sizes(capacities[g])[0] for g, (a, b) in enumerate(engine.plan.groups) for _ in range(a, b)]
         runs = times[budget]
         points.append(
             {
