@@ -18,10 +18,10 @@ GENERATE = textwrap.dedent(
     import pask_jax
     from pask_jax.factory import make_engine
     from pask_jax.methods import DEFAULT_METHOD_CONFIG, load_method_config
-    from pask_jax.models.decoder import ModelConfig, Qwen3
+    from pask_jax.models.decoder import Decoder, ModelConfig
     from pask_jax.policy import SHIPPED_POLICIES, PersistencePolicy
 
-    model = Qwen3(ModelConfig.tiny("qwen2"), rngs=nnx.Rngs(0))
+    model = Decoder(ModelConfig.tiny("qwen2"), rngs=nnx.Rngs(0))
     engine = make_engine(model, "snapkv", 0.5)
     (gen,) = engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]])
     policy = PersistencePolicy.load(SHIPPED_POLICIES / "qwen2.5-coder-0.5b")

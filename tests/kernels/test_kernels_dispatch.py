@@ -12,7 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 # this folder is on sys.path (pytest's prepend import mode)
 from test_kernels_tpu import TOL, assert_close, make_case
 
-import pask_jax.cache
+import pask_jax.attention
 from pask_jax.kernels import gather_attention, gpu, kernel_block_size, ref_gather_attention, tpu
 from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.runtime.engine import Engine
@@ -129,7 +129,7 @@ def test_engine_use_kernel_goes_through_the_dispatcher(monkeypatch, model, backe
         calls.append(kwargs)
         return gather_attention(*args, **kwargs, backend=backend)
 
-    monkeypatch.setattr(pask_jax.cache, "gather_attention", spy)
+    monkeypatch.setattr(pask_jax.attention, "gather_attention", spy)
     kernel_calls = spy_kernels(monkeypatch)
     engine = Engine(model, num_groups=num_groups, use_kernel=True, length_buckets=(16,))
     out = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=6))

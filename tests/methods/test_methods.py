@@ -4,11 +4,16 @@ A case is a method instance built for the budget it runs at (PASK's policy table
 method (a small SnapKV window, DapQ's content choices, PASK with a synthetic policy or DapQ ranking) are cases too.
 Every compressed invariant runs at one budget (`BUDGET`), so the tests of a case share its engine, its compiled steps
 and its static generation of PROMPTS (the `matrix` fixture); budget 1 is the second plan of a case.
+The golden record at the end holds every case to the tokens and kept entries it gave when it was recorded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,3 +186,50 @@ def test_pask_without_any_roles_is_an_error(matrix: Matrix):
     with pytest.raises(ValueError, match="decides by token roles"):
         engine.generate(PROMPTS, SamplingConfig(max_new_tokens=4))
     matrix.engine("snapkv", BUDGET).generate(PROMPTS[:1], SamplingConfig(max_new_tokens=2))  # others need none
+
+
+# ---- golden record: greedy tokens, the prompt entries kept after prefill, the kept ratio after every step, exactly as
+# recorded; a deliberate change of behaviour re-records them (PASK_JAX_RECORD_GOLDEN=1 pytest -k golden) and says why
+# in its commit
+
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_matrix.json"
+RECORD = os.environ.get("PASK_JAX_RECORD_GOLDEN") == "1"
+
+
+def kept_positions_digest(matrix: Matrix, case: str) -> str:
+    """sha256 of the sorted original positions each (layer, row, KV head) keeps after prefill."""
+    engine = matrix.engine(case, BUDGET)
+    shape = engine.batch_shape([len(p) for p in PROMPTS], NEW)
+    tokens, lengths, roles = shape.pad(PROMPTS, ROLES)
+    _, caches, _ = engine.prefill(tokens, lengths, roles, shape.capacities)
+    kept = [np.sort(np.asarray(cache.pos), axis=-1)[:, : len(PROMPTS)] for cache in caches]
+    return hashlib.sha256(b"".join(k.tobytes() for k in kept)).hexdigest()
+
+
+def record(matrix: Matrix, case: str) -> dict:
+    gens = matrix.static(case, BUDGET)
+    return {
+        "tokens": [g.tokens for g in gens],
+        "kept_ratios": [[round(r, 12) for r in g.stats.kept_ratios] for g in gens],
+        "prefill_kept_positions": kept_positions_digest(matrix, case),
+    }
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict:
+    if RECORD:
+        return {}
+    if not GOLDEN.exists():
+        pytest.fail(f"{GOLDEN} is missing: record it with PASK_JAX_RECORD_GOLDEN=1")
+    return json.loads(GOLDEN.read_text())
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_matrix_matches_the_golden_record(matrix: Matrix, golden: dict, case: str):
+    got = record(matrix, case)
+    if RECORD:
+        saved = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+        GOLDEN.write_text(json.dumps({**saved, case: got}, indent=1, sort_keys=True) + "\n")
+        return
+    assert case in golden, f"no golden record for {case!r}: record it with PASK_JAX_RECORD_GOLDEN=1"
+    assert got == golden[case]

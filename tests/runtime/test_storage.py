@@ -182,7 +182,7 @@ def test_method_specs_name_a_storage(wide_model: Decoder):
     assert KIVI().widest_bits(0.33, 64) == 2 and KIVI().widest_bits(0.34, 64) == 4  # 85.1 bytes of 256 is 0.3325
 
 
-@pytest.mark.parametrize("storage", [Storage(slots=INT8), Storage(slots=FP8), Storage(blocks=KIVI2, window=2)])
+@pytest.mark.parametrize("storage", [Storage(slots=FP8), Storage(blocks=KIVI2, window=2)])
 def test_decode_attention_kernels_read_codes_as_the_xla_path_does(storage: Storage):
     """The Pallas kernels (interpreted) over the same cache -- codes and scales, not dequantized pools -- give the
     XLA path's attention: an 8-bit slot pool, and KIVI's full-precision window merged with its block pool."""
