@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from pask_jax.arguments import (
+    METHOD_NAMES,
     PLAIN_PASK,
     UsageError,
     budget_list,
@@ -260,8 +261,8 @@ def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
     p.add_argument(
         "--methods",
         default="full",
-        help="comma-separated: full,random,streamingllm,h2o,snapkv,pyramidkv,dapq,pask; pask runs under --policy; "
-        "pask:LABEL = PASK under the policy given as --policy LABEL=PATH",
+        help=f"comma-separated: {','.join(METHOD_NAMES)}; pask runs under --policy; pask:LABEL = PASK under the "
+        "policy given as --policy LABEL=PATH; NAME@int8 / @fp8 / @int4: an eviction method's entries stored quantized",
     )
     p.add_argument("--budget", default="1.0", type=budget_list, help="total KV budget(s) in (0, 1], comma-separated")
     p.add_argument("--categories", default="all", help="'all' or comma-separated BFCL categories")
