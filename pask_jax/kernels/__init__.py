@@ -3,15 +3,16 @@
 - ``reference.py``: the contract, input validation, the pure-jnp reference and the shared masked softmax.
 - ``tpu.py``: the TPU kernel (Mosaic), with its SMEM / VMEM footprint check.
 - ``gpu.py``: the GPU kernel (Triton).
-- ``quantized_reference.py``, ``quantized_tpu.py``, ``quantized_gpu.py``: the same decode attention over quantized pools
-  (int8 / fp8 slot pools, KIVI block pools), the codes dequantized inside the kernels, each returning a partial softmax
-  state that ``merge_partials`` combines across pools.
+- ``quantized_reference.py``, ``quantized_slot_tpu.py`` / ``quantized_block_tpu.py`` (TPU), ``quantized_gpu.py``: the
+  same decode attention over quantized pools (int8 / fp8 slot pools, KIVI block pools), the codes dequantized inside
+  the kernels, each returning a partial softmax state that ``merge_partials`` combines across pools.
 - ``dispatch.py``: ``gather_attention`` (and ``slot_pool_attention`` / ``block_pool_attention`` for quantized pools),
   the one switch between the reference and the kernel of each backend, and ``per_row_shards``, which runs such a
   per-(sequence, KV head) op per shard on a device mesh.
 
 ``tpu.py`` and ``gpu.py`` import only ``reference.py`` (the quantized kernels only ``quantized_reference.py`` and
-``quantize.py``, the GPU one also ``gpu.py``'s Triton limits); only ``dispatch.py`` knows both backends.
+``quantize.py``; the block-pool TPU one also ``quantized_slot_tpu.py``'s shared Mosaic helpers, the GPU one also
+``gpu.py``'s Triton limits): a TPU module never imports a GPU one; only ``dispatch.py`` knows both backends.
 """
 
 from pask_jax.kernels.dispatch import (
@@ -23,6 +24,7 @@ from pask_jax.kernels.dispatch import (
     slot_pool_attention,
 )
 from pask_jax.kernels.gpu import DEFAULT_GPU_BLOCK_SIZE, gather_attention_gpu_kernel, validate_gpu_inputs
+from pask_jax.kernels.quantized_block_tpu import block_pool_attention_kernel
 from pask_jax.kernels.quantized_gpu import block_pool_attention_gpu_kernel, slot_pool_attention_gpu_kernel
 from pask_jax.kernels.quantized_reference import (
     SoftmaxPartial,
@@ -30,7 +32,7 @@ from pask_jax.kernels.quantized_reference import (
     ref_block_pool_attention,
     ref_slot_pool_attention,
 )
-from pask_jax.kernels.quantized_tpu import block_pool_attention_kernel, slot_pool_attention_kernel
+from pask_jax.kernels.quantized_slot_tpu import slot_pool_attention_kernel
 from pask_jax.kernels.reference import masked_softmax, ref_gather_attention, validate_inputs
 from pask_jax.kernels.tpu import DEFAULT_TPU_BLOCK_SIZE, gather_attention_kernel, validate_tpu_inputs
 

@@ -15,8 +15,9 @@ padding is never attended to. That costs a copy of the int32 table, not of K/V; 
 raises the kernel's ValueError.
 
 Quantized pools (``quantized_reference.py``): ``slot_pool_attention`` and ``block_pool_attention`` make the same switch
-between the reference and the kernels of ``quantized_tpu.py`` / ``quantized_gpu.py``, and return the partial softmax
-state (``SoftmaxPartial``) that ``merge_partials`` combines; the slot table is padded to whole blocks the same way.
+between the reference and the kernels of ``quantized_slot_tpu.py`` / ``quantized_block_tpu.py`` / ``quantized_gpu.py``,
+and return the partial softmax state (``SoftmaxPartial``) that ``merge_partials`` combines; the slot table is padded
+to whole blocks the same way.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import pask_jax.kernels.gpu as gpu
+import pask_jax.kernels.quantized_block_tpu as quantized_block_tpu
 import pask_jax.kernels.quantized_gpu as quantized_gpu
 import pask_jax.kernels.quantized_reference as quantized_reference
-import pask_jax.kernels.quantized_tpu as quantized_tpu
+import pask_jax.kernels.quantized_slot_tpu as quantized_slot_tpu
 import pask_jax.kernels.reference as reference
 import pask_jax.kernels.tpu as tpu
 from pask_jax.kernels.quantize import KVFormat, QuantizedBlock
@@ -138,7 +140,9 @@ def slot_pool_attention(
         block_size = kernel_block_size(platform, slot_table.shape[-1])
     slot_table, lengths = _pad_to_blocks(slot_table, lengths, block_size)
     kernel = (
-        quantized_gpu.slot_pool_attention_gpu_kernel if platform == "gpu" else quantized_tpu.slot_pool_attention_kernel
+        quantized_gpu.slot_pool_attention_gpu_kernel
+        if platform == "gpu"
+        else quantized_slot_tpu.slot_pool_attention_kernel
     )
     return kernel(q, k, v, slot_table, lengths, block_size=block_size, interpret=interpret, **kw)
 
@@ -166,7 +170,7 @@ def block_pool_attention(
     kernel = (
         quantized_gpu.block_pool_attention_gpu_kernel
         if platform == "gpu"
-        else quantized_tpu.block_pool_attention_kernel
+        else quantized_block_tpu.block_pool_attention_kernel
     )
     return kernel(q, k, v, block_table, nblocks, live, interpret=interpret, **kw)
 

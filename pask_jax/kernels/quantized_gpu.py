@@ -1,11 +1,12 @@
 """Decode attention that reads QUANTIZED KV codes: Pallas kernels for GPU (the Triton backend).
 
-The contract, the folding algebra and the references are in ``quantized_reference.py``; ``quantized_tpu.py`` holds the
-TPU (Mosaic) kernels of the same contract. Both kernels return the partial softmax state ``(o, m, l)`` of their pool
-(`SoftmaxPartial`), merged by ``merge_partials``. Layout as ``gpu.py``: grid ``(B, K)``, one program per (sequence,
-KV head) whose refs span that row's whole pool (a Triton ref is a pointer: only what is indexed is read), an
-in-kernel ``fori_loop`` over the table whose trip count comes from ``lengths`` / ``nblocks``, online softmax in the
-loop carry (registers), G padded with zero query heads to ``max(16, next power of two)`` (``tl.dot``'s minimum).
+The contract, the folding algebra and the references are in ``quantized_reference.py``; ``quantized_slot_tpu.py`` and
+``quantized_block_tpu.py`` hold the TPU (Mosaic) kernels of the same contract. Both kernels return the partial softmax
+state ``(o, m, l)`` of their pool (`SoftmaxPartial`), merged by ``merge_partials``. Layout as ``gpu.py``: grid
+``(B, K)``, one program per (sequence, KV head) whose refs span that row's whole pool (a Triton ref is a pointer: only
+what is indexed is read), an in-kernel ``fori_loop`` over the table whose trip count comes from ``lengths`` /
+``nblocks``, online softmax in the loop carry (registers), G padded with zero query heads to
+``max(16, next power of two)`` (``tl.dot``'s minimum).
 
 - **Slot pool** (int8_sym / fp8): each step gathers ``block_size`` slots with pointer loads (``kc_ref[idx]``, idx from
   the table; masked entries read slot 0 and are zeroed), and folds the per-slot scales as the TPU kernel does:

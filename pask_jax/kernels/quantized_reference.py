@@ -43,7 +43,8 @@ block pool) in one softmax::
 
 `merge_partials` rescales them to the common max and normalizes: ``sum_p e^{m_p - M} o_p / sum_p e^{m_p - M} l_p``
 with zeros where no pool has a live entry. The references below compute the partials from `quantize.dequantize` (so
-they share nothing with a kernel's folding); ``quantized_tpu.py`` holds the Pallas kernels tested against them.
+they share nothing with a kernel's folding); ``quantized_slot_tpu.py`` / ``quantized_block_tpu.py`` hold the Pallas
+kernels tested against them.
 
 Entries past ``lengths`` / ``nblocks`` are "any value" (possibly out of range); dead entries and unkept slots may hold
 any bits (NaN included) in codes, scales and zeros: they never reach the result. Live table entries must be in range.

@@ -1,8 +1,9 @@
 """Structure from the parser: tool schemas, the grammar (outlines-core), token roles and prompt labelling.
 
 - ``roles``: ``Role`` (stable integer ids), ``TAXONOMY_VERSION``, ``PROMPT_ROLES`` / ``GENERATED_ROLES``.
-- ``schema``: OpenAI tools (``parse_tools``) -> function dicts; the JSON
-  Schema the grammar enforces (``call_schema``), and which keywords it enforces (``SCHEMA_KEYWORDS``).
+- ``schema``: which JSON Schema keywords the grammar enforces (``SCHEMA_KEYWORDS``), ``GrammarError``.
+- ``schema_rewrite``: a JSON Schema -> the subset the grammar enforces (``enforced_schema``).
+- ``tools``: OpenAI tools (``parse_tools``) -> function dicts; the JSON Schema of one call (``call_schema``).
 - ``vocabulary``: a tokenizer's tokens as outlines-core matches them (framing special tokens as marker bytes).
 - ``regex``: the regex of a whole assistant turn (tool calls, a text answer, a JSON value), and the outlines-core
   0.2.14 defect workaround.
@@ -16,6 +17,7 @@
 - ``backend``: ``GrammarBackend``, the one interface of both (compile a turn's grammar, give its constraint), and
   ``backend_for(name)``, the one place a backend is chosen.
 - ``prompt_roles``: the role of every prompt token.
+- ``prompt_tools``: where a rendered prompt holds each tool, and the roles of its definition.
 - ``call_parser``: calls an ``"auto"`` text answer writes (``<tool_call>`` blocks, ```json fences, bare JSON) ->
   OpenAI tool calls when they name a tool and validate against its schema (``parse_text_calls``); no JAX.
 """
@@ -26,7 +28,8 @@ from pask_jax.structure.grammar import KINDS, CompiledGrammar, compile_grammar, 
 from pask_jax.structure.prompt_roles import prompt_roles
 from pask_jax.structure.regex import FRAMINGS, TOOL_CHOICES, tool_call_regex
 from pask_jax.structure.roles import GENERATED_ROLES, PROMPT_ROLES, TAXONOMY_VERSION, Role, num_roles
-from pask_jax.structure.schema import SCHEMA_KEYWORDS, GrammarError, call_schema, parse_tools
+from pask_jax.structure.schema import SCHEMA_KEYWORDS, GrammarError
+from pask_jax.structure.tools import call_schema, parse_tools
 from pask_jax.structure.vocabulary import GrammarVocabulary, grammar_vocabulary
 
 __all__ = [

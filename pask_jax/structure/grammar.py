@@ -37,7 +37,8 @@ from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.structure.lexer import LEX_AUTO, LEX_CALLS, LEX_JSON, LexState, lex_token
 from pask_jax.structure.regex import json_regex, tool_call_regex
 from pask_jax.structure.roles import Role
-from pask_jax.structure.schema import JSON_OBJECT, GrammarError, enforced_schema
+from pask_jax.structure.schema import JSON_OBJECT, GrammarError
+from pask_jax.structure.schema_rewrite import enforced_schema
 from pask_jax.structure.vocabulary import GrammarVocabulary, grammar_vocabulary
 
 GRAMMAR_CACHE_SIZE = 64

@@ -47,7 +47,9 @@ from collections.abc import Sequence
 from outlines_core.json_schema import build_regex_from_schema
 
 from pask_jax.structure.numbers import bounded_regex
-from pask_jax.structure.schema import NUMERIC_BOUNDS, GrammarError, call_schema, read_bounds
+from pask_jax.structure.schema import NUMERIC_BOUNDS, GrammarError
+from pask_jax.structure.schema_rewrite import read_bounds
+from pask_jax.structure.tools import call_schema
 from pask_jax.structure.vocabulary import GrammarVocabulary
 
 FRAMINGS = ("tool_call", "json_fence")

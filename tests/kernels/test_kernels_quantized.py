@@ -15,6 +15,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pask_jax.kernels.quantize import FP8, INT8, KVFormat, QuantizedBlock, dequantize, quantize
+from pask_jax.kernels.quantized_block_tpu import block_pool_attention_kernel, validate_tpu_block_pool
 from pask_jax.kernels.quantized_reference import (
     SoftmaxPartial,
     merge_partials,
@@ -23,12 +24,7 @@ from pask_jax.kernels.quantized_reference import (
     validate_block_pool,
     validate_slot_pool,
 )
-from pask_jax.kernels.quantized_tpu import (
-    block_pool_attention_kernel,
-    slot_pool_attention_kernel,
-    validate_tpu_block_pool,
-    validate_tpu_slot_pool,
-)
+from pask_jax.kernels.quantized_slot_tpu import slot_pool_attention_kernel, validate_tpu_slot_pool
 
 B, K, G, H = 2, 2, 3, 64  # rows (b, h) = (0, 0) empty, (0, 1) full, (1, 0) one entry / block, (1, 1) partial
 C, S, BLOCK = 16, 16, 8  # slot pool: capacity, table length, slots per grid step

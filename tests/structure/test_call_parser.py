@@ -13,7 +13,7 @@ from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.requests import parse_request
 from pask_jax.runtime.rows import Generation, RequestStats
 from pask_jax.structure.call_parser import parse_text_calls, split_grammar_calls
-from pask_jax.structure.schema import parse_tools
+from pask_jax.structure.tools import parse_tools
 
 DATA = Path(__file__).parents[1] / "data"
 AUTO_REQUESTS = Path(__file__).parents[2] / "examples" / "auto_requests.jsonl"

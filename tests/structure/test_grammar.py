@@ -37,7 +37,8 @@ from pask_jax.structure import lexer as L
 from pask_jax.structure import vocabulary as V
 from pask_jax.structure.regex import FRAMINGS, json_regex
 from pask_jax.structure.roles import Role
-from pask_jax.structure.schema import JSON_OBJECT, enforced_schema
+from pask_jax.structure.schema import JSON_OBJECT
+from pask_jax.structure.schema_rewrite import enforced_schema
 
 DIGESTS = Path(__file__).parents[1] / "data" / "bfcl_grammar_regex_digests.json"
 FACTORIAL = {

@@ -28,6 +28,7 @@ from pask_jax.structure import schema as S
 from pask_jax.structure.constraint import GrammarConstraint
 from pask_jax.structure.regex import json_regex
 from pask_jax.structure.roles import Role
+from pask_jax.structure.schema_rewrite import enforced_schema
 from pask_jax.structure.vocabulary import grammar_vocabulary
 
 
@@ -189,15 +190,15 @@ def test_bfcl_function_errors_name_the_function_and_the_fix(function, message):
 
 
 def enforced(schema: dict) -> dict:
-    return S.enforced_schema(schema, "function 'f'")
+    return enforced_schema(schema, "function 'f'")
 
 
 def test_enforced_schema_rewrites():
     assert enforced({"type": ["string", "null"]}) == {"anyOf": [{"type": "string"}, {"type": "null"}]}
     assert enforced({"description": "anything", "title": "T"}) == S.ANY_VALUE
     assert enforced({"type": "integer", "multipleOf": 2, "examples": [2]}) == {"type": "integer"}  # loosened
-    assert enforced({"properties": {}}) == S._CLOSED_EMPTY  # the type is inferred from the keyword
-    assert enforced({"type": "object", "additionalProperties": False}) == S._CLOSED_EMPTY
+    assert enforced({"properties": {}}) == S.CLOSED_EMPTY  # the type is inferred from the keyword
+    assert enforced({"type": "object", "additionalProperties": False}) == S.CLOSED_EMPTY
     assert enforced({"type": "object", "additionalProperties": {"type": "integer"}}) == {
         "type": "object",
         "additionalProperties": {"type": "integer"},
@@ -464,7 +465,7 @@ _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?
 
 def byte_grammar(schema: dict):
     """The ``response_format`` grammar of ``schema`` over the 256 single bytes -> accepts(text) (a whole output)."""
-    index = Index(json_regex(S.enforced_schema(schema, "response_format")), _BYTES)
+    index = Index(json_regex(enforced_schema(schema, "response_format")), _BYTES)
     final = set(index.get_final_states())
 
     def accepts(text: str) -> bool:
@@ -625,8 +626,8 @@ def test_property_names_needing_json_escapes_are_refused():
     for name in ('a"b', "back\\slash", "new\nline"):
         schema = {"type": "object", "properties": {name: {"type": "string"}}}
         with pytest.raises(GrammarError, match="'properties' names .* need JSON escapes"):
-            S.enforced_schema(schema, "function 'f'")
-    assert S.enforced_schema({"type": "object", "properties": {"café ok": {"type": "string"}}}, "function 'f'")
+            enforced_schema(schema, "function 'f'")
+    assert enforced_schema({"type": "object", "properties": {"café ok": {"type": "string"}}}, "function 'f'")
 
 
 def test_a_json_answer_over_a_tokenizer_without_call_tokens(tok, gv):
@@ -634,7 +635,7 @@ def test_a_json_answer_over_a_tokenizer_without_call_tokens(tok, gv):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}, "required": ["n"]}
     ids = tok.encode('{"n": 3}<|im_end|>')
     plain = dataclasses.replace(gv, call_open_id=None)
-    grammar = small_grammar(json_regex(S.enforced_schema(schema, "response_format"), vocab=plain), plain, ids, "json")
+    grammar = small_grammar(json_regex(enforced_schema(schema, "response_format"), vocab=plain), plain, ids, "json")
     constraint = GrammarConstraint([grammar], plain.size)
     for token in ids:
         assert constraint.mask()[0].view(np.uint32)[token >> 5] >> (token & 31) & 1, tok.decode([token])

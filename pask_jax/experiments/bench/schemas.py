@@ -75,7 +75,8 @@ from pask_jax.experiments.bench.schema_suites import (
     serializations,
 )
 from pask_jax.structure.regex import json_regex
-from pask_jax.structure.schema import ENFORCED_FORMATS, LOOSENED, SCHEMA_KEYWORDS, GrammarError, enforced_schema
+from pask_jax.structure.schema import ENFORCED_FORMATS, LOOSENED, SCHEMA_KEYWORDS, GrammarError
+from pask_jax.structure.schema_rewrite import enforced_schema
 
 ENGINES = ("pask", "xgrammar", "llguidance")
 PACKAGES = {"pask": "outlines-core", "xgrammar": "xgrammar", "llguidance": "llguidance"}
