@@ -265,7 +265,7 @@ class Engine:
         capacities: tuple[Capacity, ...],
         tools: np.ndarray | None = None,
     ):
-        """Jitted prefill of right-padded prompts -> (last-token logits, caches, kept entries per sequence).
+        """Jitted prefill of right-padded prompts -> (last-token logits, caches, `Kept`: entries and bytes per row).
 
         `tools` i32[B, T]: the offered tool each prompt token describes (`BatchShape.pad_tools`; None: none)."""
         tools = np.full(np.shape(tokens), NO_TOOL, np.int32) if tools is None else tools
@@ -283,8 +283,8 @@ class Engine:
     ):
         """One jitted decode step over the padded rows; `caches` are donated (use the returned ones).
 
-        `step` (host arrays), the packed token mask i32[B, ceil(V/32)] -> (next tokens i32[B], caches, kept entries
-        per row i32[B], overflow bool[]).
+        `step` (host arrays), the packed token mask i32[B, ceil(V/32)] -> (next tokens i32[B], caches, `Kept`
+        (entries and bytes per row), overflow bool[]).
         """
         placed = self.rows(step)
         return decode_jit(
@@ -293,7 +293,7 @@ class Engine:
 
     def decode_logits(self, caches: list[GroupCache], step: StepInput):
         """`decode_step` up to the logits (dispatched asynchronously: the host may build the token mask meanwhile)
-        -> (logits f32[B, V], caches, kept i32[B], overflow bool[]); `caches` are donated."""
+        -> (logits f32[B, V], caches, `Kept`, overflow bool[]); `caches` are donated."""
         return decode_logits_jit(self.plan, self.params, caches, self.rows(step))
 
     def sample(

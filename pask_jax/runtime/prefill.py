@@ -24,7 +24,7 @@ def prefill_plans(
     """A causal forward over the prompts, then every plan's method picks what its own caches keep.
 
     tokens i32[B, T], lengths i32[B], roles i32[B, T], tools i32[B, T] (the offered tool each token describes) ->
-    last-token logits f32[B, V], per plan (caches, kept i32[B]).
+    last-token logits f32[B, V], per plan (caches, `Kept`: entries and bytes per row).
     Prompts longer than the plan's `prefill_chunk` run in equal chunks under one loop, each chunk attending to the
     keys the chunks before it wrote (per-layer K/V buffers of the whole prompt), so the activations held at once are
     a chunk's, not the prompt's; methods that observe the prompt's attention add up their share per chunk.

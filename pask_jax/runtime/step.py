@@ -142,7 +142,7 @@ class StepPlan:
         return Kept(entries, jnp.asarray(held, jnp.float32))
 
     def fill(self, kv, scores, ctx: PrefillContext, capacities: tuple[Capacity, ...]):
-        """Keep each layer's best-scored prompt entries (up to its quota) in fresh caches -> caches, kept i32[B]."""
+        """Keep each layer's best-scored prompt entries (up to its quota) in fresh caches -> caches, `Kept`."""
         t = ctx.tokens.shape[1]
         caches = self.empty_caches(ctx.tokens.shape[0], capacities)
         for layer, (k, v) in enumerate(kv):
@@ -165,7 +165,7 @@ class StepPlan:
         return next_tokens, caches, kept, overflow
 
     def decode_logits(self, params, caches, step: StepInput):
-        """`decode` before the mask and the sampler -> (logits f32[B, V], caches, kept i32[B], overflow bool[])."""
+        """`decode` before the mask and the sampler -> (logits f32[B, V], caches, `Kept`, overflow bool[])."""
         with mesh_context(self.mesh):
             model = nnx.merge(self.graphdef, params)
             b = step.tokens.shape[0]
