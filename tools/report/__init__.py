@@ -9,9 +9,9 @@ is; ``stale_tables`` names the blocks whose text differs from what their files g
 
 A document's tables live in the module named after it, each with its ``TABLES``: ``archive``, ``bfcl``, ``demo``,
 ``long_prompts_doc`` (the package's ``long_prompts`` is the table function of ``frozen``), ``niah``, ``parity``,
-``schemas``, ``second_model`` and ``serving`` for docs/results/, ``readme`` for the README. They share ``common``
-(reading results files, formatting), ``stats`` and ``frozen`` (the schema split's methods, tuned on dev and frozen,
-that several documents report).
+``quantized``, ``schemas``, ``second_model`` and ``serving`` for docs/results/, ``readme`` for the README. They
+share ``common`` (reading results files, formatting), ``stats`` and ``frozen`` (the schema split's methods, tuned on
+dev and frozen, that several documents report).
 
 Paired statistics over items (``stats``): ``paired_bootstrap_ci`` (percentile interval of an accuracy difference,
 items resampled with replacement, fixed seed) and ``mcnemar_exact_p`` (two-sided exact binomial test on the discordant
@@ -32,6 +32,7 @@ from tools.report import (
     long_prompts_doc,
     niah,
     parity,
+    quantized,
     readme,
     schemas,
     second_model,
@@ -73,6 +74,7 @@ TABLES: dict[str, Callable[[Path], str]] = {  # every document's, the README's f
     **long_prompts_doc.TABLES,
     **niah.TABLES,
     **parity.TABLES,
+    **quantized.TABLES,
     **schemas.TABLES,
     **second_model.TABLES,
     **serving.TABLES,

@@ -1,0 +1,79 @@
+"""The tables of docs/results/quantized.md: the quantized caches (KIVI, int8, PASK on int4 entries) against full KV
+and against the eviction methods, on the BFCL items 110-134 that no run had scored, the budget in bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tools.report.common import _keys, _table, items_of, load_json, outcomes
+from tools.report.stats import PAIRED_HEAD, paired
+
+# the categories whose run over items 110-134 is complete, in the order they ran
+QUANTIZED_EVAL = tuple(f"results/quantized_eval/bfcl_items110_134_{c}.json" for c in ("simple_python",))
+QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays, at low precision
+
+
+def _merged(root: Path, files: Sequence[str]) -> dict:
+    """The runs of several single-category results files as one result."""
+    return {"runs": [run for f in files for run in load_json(root, f)["runs"]]}
+
+
+def _bytes(items: list[dict]) -> str:
+    mean = sum(i["kv_bytes_ratio_mean"] for i in items) / len(items)
+    return f"{mean:.3f} / {max(i['kv_bytes_ratio_max'] for i in items):.3f}"
+
+
+def quantized_vs_full(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> str:
+    result = _merged(root, files)
+    full = outcomes(result, "full", 1.0)
+    answered = [i for i, ok in full.items() if ok]
+    rows, best = [], {}
+    for method, budget in _keys(result):
+        if method == "full":
+            continue
+        got = outcomes(result, method, budget)
+        recall = sum(got[i] for i in answered) / len(answered)
+        extra = sum(ok and not full[i] for i, ok in got.items())
+        pair = paired(got, full)
+        rows.append(
+            [f"{method} @ {budget:g}", f"{pair.right_a} / {pair.items}", f"{100 * recall:.1f}", extra]
+            + [_bytes(items_of(result, method, budget)), pair.difference, pair.p]
+        )
+        if method in QUANTIZED and recall > best.get(budget, ("", -1.0))[1]:
+            best[budget] = (method, recall)
+    head = ["method @ b", "correct", "% of full KV's correct", "correct where full KV is not"]
+    head += ["bytes / full bf16, mean / max", "- full KV, points [95% CI]", "McNemar p"]
+    cats = ", ".join(Path(f).stem.removeprefix("bfcl_items110_134_") for f in files)
+    claim = (
+        f"On BFCL items 110-134 of {cats} ({len(full)} items, none scored before), full KV answers {len(answered)}; "
+        + "; ".join(
+            f"at b = {b:g} the best uniform quantizer ({m}) answers {100 * r:.1f}% of them"
+            for b, (m, r) in best.items()
+        )
+        + ". Budgets in bytes, metadata counted; the byte cap held at every step (max column)."
+    )
+    return f"**Claim.** {claim}\n\n" + _table(head, rows)
+
+
+def quantized_vs_eviction(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> str:
+    """Per budget, the quantizer with the most correct items against the eviction method with the most, paired."""
+    result = _merged(root, files)
+    rows = []
+    for budget in sorted({b for m, b in _keys(result) if m != "full"}):
+        correct = {m: sum(outcomes(result, m, b).values()) for m, b in _keys(result) if b == budget and m != "full"}
+        quantizer = max((m for m in correct if m in QUANTIZED), key=correct.__getitem__)
+        eviction = max((m for m in correct if m not in QUANTIZED), key=correct.__getitem__)
+        rows.append(
+            paired(outcomes(result, quantizer, budget), outcomes(result, eviction, budget)).row(
+                f"{quantizer} - {eviction} @ {budget:g}"
+            )
+        )
+    claim = "The best uniform quantizer against the best eviction method (bf16 or int4 entries) at each budget."
+    return f"**Claim.** {claim}\n\n" + _table(("A - B @ b", *PAIRED_HEAD), rows)
+
+
+TABLES: dict[str, Callable[[Path], str]] = {
+    "quantized_vs_full": quantized_vs_full,
+    "quantized_vs_eviction": quantized_vs_eviction,
+}
