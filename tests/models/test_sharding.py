@@ -55,7 +55,8 @@ BUDGET = 0.33
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one per XLA backend compile
 STEPS = {"prefill": prefill.prefill_jit, "decode": step.decode_jit, "sample": sampling.sample_masked}  # jitted steps
 # every method with its defaults, PASK under a (synthetic) policy, and SnapKV decoding through the Pallas kernel
-NAMES = (*sorted(METHODS), "pask_policy", "snapkv_kernel")
+# the matrix's methods (int8 among them), KIVI with blocks that fill, PASK under a policy, SnapKV through the kernel
+NAMES = (*sorted(n for n in CASES if n in METHODS), "kivi_group8", "pask_policy", "snapkv_kernel")
 EVERY_METHOD_LAYOUT = (4, 2)  # both axes split: every NAMES method runs on it; the other layouts run LAYOUT_NAMES
 LAYOUT_NAMES = ("full", "pask_policy")
 CONTINUOUS = "pask_policy"  # the method continuous batching runs on every layout

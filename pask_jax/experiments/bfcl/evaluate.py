@@ -104,11 +104,12 @@ def item_stats(items: list[dict]) -> dict:
     """Counts, accuracy, parse rate and kept/full KV ratios (entries; bytes where every item records them: files
     scored before the budget counted bytes do not) over scored items (a category run, or merged runs)."""
     n = max(len(items), 1)
-    in_bytes = bool(items) and all("kv_bytes_ratio_mean" in r for r in items)
-    byte_ratios = {
-        "kv_bytes_ratio_mean": float(np.mean([r["kv_bytes_ratio_mean"] for r in items])),
-        "kv_bytes_ratio_max": float(np.max([r["kv_bytes_ratio_max"] for r in items])),
-    }
+    byte_ratios = {}
+    if items and all("kv_bytes_ratio_mean" in r for r in items):
+        byte_ratios = {
+            "kv_bytes_ratio_mean": float(np.mean([r["kv_bytes_ratio_mean"] for r in items])),
+            "kv_bytes_ratio_max": float(np.max([r["kv_bytes_ratio_max"] for r in items])),
+        }
     return {
         "n": len(items),
         "correct": sum(r["valid"] for r in items),
@@ -116,7 +117,7 @@ def item_stats(items: list[dict]) -> dict:
         "parsed_fraction": sum(r["parsed"] for r in items) / n,
         "kept_ratio_mean": float(np.mean([r["kept_ratio_mean"] for r in items])) if items else 1.0,
         "kept_ratio_max": float(np.max([r["kept_ratio_max"] for r in items])) if items else 1.0,
-    } | (byte_ratios if in_bytes else {})
+    } | byte_ratios
 
 
 def _category_run(items: list[dict], parser_s: float, decode_s: float, steps: int) -> dict:
