@@ -177,25 +177,8 @@ class GroupCache:
         kept_score = jnp.zeros(keep.shape, jnp.float32) if scores is None else jnp.take_along_axis(scores, keep, axis=2)
         kept = [kept_k, kept_v, kept_pos, kept_role, kept_tool, kept_score]
         cache = self
-        if self.blocks is not None:  # oldest first: whole blocks of them go down, the newest stay in slots
-            n, block = keep.shape[-1], self.storage.block
-            order = jnp.argsort(jnp.where(jnp.arange(n) < count[..., None], kept_pos, jnp.iinfo(jnp.int32).max))
-            kept = [jnp.take_along_axis(x, order if x.ndim == 3 else order[..., None], axis=2) for x in kept]
-            whole = min(n // block, self.blocks.blocks)  # blocks the static shapes can fill
-            blocks = jnp.minimum(count // block, whole)  # i32[B, K]
-            down = whole * block
-            if whole:  # a prompt shorter than a block keeps it all in slots
-                cache = dataclasses.replace(
-                    self, blocks=self.blocks.fill(layer, *(x[:, :, :down] for x in kept[:4]), blocks)
-                )
-            rest = (blocks * block)[..., None] + jnp.arange(min(n, self.capacity))  # [B, K, c] the entries left
-            kept = [
-                jnp.take_along_axis(
-                    x, jnp.minimum(rest, n - 1) if x.ndim == 3 else jnp.minimum(rest, n - 1)[..., None], 2
-                )
-                for x in kept
-            ]
-            count = count - blocks * block
+        if self.blocks is not None:
+            cache, kept, count = self._fill_blocks(layer, kept, count)
         kept_k, kept_v, kept_pos, kept_role, kept_tool, kept_score = kept
         n = keep.shape[-1] if self.blocks is None else kept_pos.shape[-1]
         if n > self.capacity:
@@ -213,6 +196,23 @@ class GroupCache:
             score=put(self.score, kept_score.astype(jnp.float32)),
             length=self.length.at[layer].set(count),
         )
+
+    def _fill_blocks(self, layer: int, kept: list[jax.Array], count: jax.Array):
+        """The block pool's share of a fill: the kept entries (each [B, K, n, ...]) ordered oldest first, whole blocks
+        of them into blocks -> (the cache, the entries left for the slots, how many of them are real)."""
+        n, block = kept[2].shape[-1], self.storage.block
+        oldest_first = jnp.argsort(jnp.where(jnp.arange(n) < count[..., None], kept[2], jnp.iinfo(jnp.int32).max))
+        kept = [_take(x, oldest_first) for x in kept]
+        whole = min(n // block, self.blocks.blocks)  # blocks the static shapes can fill
+        blocks = jnp.minimum(count // block, whole)  # i32[B, K]
+        cache = self
+        if whole:  # a prompt shorter than a block keeps it all in slots
+            down = whole * block
+            cache = dataclasses.replace(
+                self, blocks=self.blocks.fill(layer, *(x[:, :, :down] for x in kept[:4]), blocks)
+            )
+        rest = jnp.minimum((blocks * block)[..., None] + jnp.arange(min(n, self.capacity)), n - 1)  # [B, K, c]
+        return cache, [_take(x, rest) for x in kept], count - blocks * block
 
     def write(
         self,
@@ -316,3 +316,8 @@ class GroupCache:
 
     def nbytes(self) -> int:
         return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+
+def _take(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[b, h, index[b, h, i], ...] for x [B, K, n, ...] and index i32[B, K, m] -> [B, K, m, ...]."""
+    return jnp.take_along_axis(x, index.reshape(*index.shape, *([1] * (x.ndim - 3))), axis=2)
