@@ -7,10 +7,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tools.report.common import _keys, _table, items_of, load_json, outcomes
+from tools.report.serving import _serving
 from tools.report.stats import PAIRED_HEAD, paired
 
 # the categories whose run over items 110-134 is complete, in the order they ran
-QUANTIZED_EVAL = tuple(f"results/quantized_eval/bfcl_items110_134_{c}.json" for c in ("simple_python",))
+QUANTIZED_EVAL = tuple(f"results/quantized_eval/bfcl_items110_134_{c}.json" for c in ("simple_python", "live_simple"))
 QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays, at low precision
 
 
@@ -71,6 +72,10 @@ def quantized_vs_eviction(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> 
         )
     claim = "The best uniform quantizer against the best eviction method (bf16 or int4 entries) at each budget."
     return f"**Claim.** {claim}\n\n" + _table(("A - B @ b", *PAIRED_HEAD), rows)
+
+
+def quantized_serving(root: Path) -> str:
+    return _serving(root, "results/quantized_eval/serving_storage.json")
 
 
 TABLES: dict[str, Callable[[Path], str]] = {
