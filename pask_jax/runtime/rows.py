@@ -29,7 +29,7 @@ import numpy as np
 from pask_jax.runtime.budget import Kept
 from pask_jax.runtime.sampling import SamplingConfig, mask_words
 from pask_jax.runtime.shapes import Capacity
-from pask_jax.runtime.step import MethodInputs, StepInput
+from pask_jax.runtime.step import StepInput
 from pask_jax.structure.constraint import TokenConstraint
 from pask_jax.structure.roles import NO_TOOL
 
@@ -153,9 +153,7 @@ class DecodeRows:
         self.groups: list[_Group] = []
         self.steps = 0
         # what the next step feeds each row (a free row repeats its last token and position)
-        self.tokens, self.positions = np.zeros(width, np.int32), np.zeros(width, np.int32)
-        self.roles, self.prompt_lengths = np.zeros(width, np.int32), np.ones(width, np.int32)
-        self.called = np.full(width, NO_TOOL, np.int32)  # the tool each row's current call calls
+        self.feed = StepInput.first(width)  # host arrays, updated row by row
 
     @property
     def free_slots(self) -> list[int]:
@@ -194,7 +192,7 @@ class DecodeRows:
             stats.kv_bytes_ratios.append(float(held[k]) / (self.full_token_bytes * n))
             group = groups[0] if len(groups) == 1 else groups[k]
             self.slots[slot] = _Row(index, int(max_new_tokens[k]), stats, group)
-            self.prompt_lengths[slot] = n
+            self.feed.prompt_lengths[slot] = n
         position = {slot: k for k, slot in enumerate(slots)}  # a slot's row in the prefill's logits
         bits = np.full((logits.shape[0], self.words), -1, np.int32)  # padded prefill rows: every token allowed
         for group in groups:
@@ -213,7 +211,7 @@ class DecodeRows:
         engine, sampling = self.engine, self.sampling
         t0 = time.perf_counter()
         self.key, sub = jax.random.split(self.key)
-        feed = StepInput(self.tokens, self.positions, self.roles, self.prompt_lengths, MethodInputs(self.called))
+        feed = self.feed
         if self.overlap_grammar:
             logits, caches, kept, overflow = engine.decode_logits(caches, feed)
             call_start = time.perf_counter()
@@ -247,7 +245,8 @@ class DecodeRows:
         for slot, row in enumerate(self.slots):
             if row is not None and row.finish is not None:
                 self.slots[slot] = None
-                self.roles[slot], self.prompt_lengths[slot], self.called[slot] = 0, 1, NO_TOOL
+                feed = self.feed
+                feed.roles[slot], feed.prompt_lengths[slot], feed.method_inputs.called[slot] = 0, 1, NO_TOOL
                 row.group.live -= 1
                 yield row.index, Generation(row.tokens, row.finish, row.stats)
         self.groups = [group for group in self.groups if group.live]
@@ -272,8 +271,8 @@ class DecodeRows:
                 row.finish = "length"
             else:
                 if constraint is not None:
-                    self.roles[slot], self.called[slot] = roles[k], called[k]
-                self.tokens[slot], self.positions[slot] = token, row.position
+                    self.feed.roles[slot], self.feed.method_inputs.called[slot] = roles[k], called[k]
+                self.feed.tokens[slot], self.feed.positions[slot] = token, row.position
 
     def _masks(self) -> np.ndarray:
         """i32[width, W] packed masks (a free or unconstrained row: every token)."""

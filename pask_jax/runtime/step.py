@@ -55,8 +55,8 @@ class StepInput:
     @classmethod
     def first(cls, rows: int) -> StepInput:
         """What an empty row is fed: token 0 at position 0, a prompt of one token, no tool called."""
-        zeros = np.zeros(rows, np.int32)
-        return cls(zeros, zeros, zeros, np.ones(rows, np.int32), MethodInputs(np.full(rows, NO_TOOL, np.int32)))
+        zeros = lambda: np.zeros(rows, np.int32)  # noqa: E731 -- one array per field: rows are updated in place
+        return cls(zeros(), zeros(), zeros(), np.ones(rows, np.int32), MethodInputs(np.full(rows, NO_TOOL, np.int32)))
 
     def called_tools(self) -> jax.Array:
         """i32[B]: the tool each row's call calls (all NO_TOOL without method inputs)."""
