@@ -81,4 +81,5 @@ def quantized_serving(root: Path) -> str:
 TABLES: dict[str, Callable[[Path], str]] = {
     "quantized_vs_full": quantized_vs_full,
     "quantized_vs_eviction": quantized_vs_eviction,
+    "quantized_serving": quantized_serving,
 }
