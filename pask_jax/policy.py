@@ -6,14 +6,19 @@ Online, PASK only looks entries up in this table (no attention statistics on the
   the lowest-priority entries leave first;
 - `retain[r, g]`: RETAIN keeps a generated entry at its priority; RELEASE drops its priority once it is older than
   `release_window` tokens, so it leaves first;
-- `group_fractions[g]`: the share of the full length layer group g keeps (layer-weighted mean == budget).
+- `group_fractions[g]`: the share of the full length layer group g keeps (layer-weighted mean == budget);
+- `action[r, g]` (precision tables only): RELEASE (evicted first), RETAIN_LOW (kept at LOW precision) or RETAIN_HIGH
+  (kept at HIGH precision), compiled against a byte budget (`CompileOptions.entry_bytes`); `retain` is then
+  "not RELEASE" and `group_fractions` the bytes a group holds over its bytes at full bf16 KV.
 
 Saved as an orbax checkpoint (the arrays) plus `policy.json` (a readable summary carrying the model fingerprint,
-layer count, group count, role taxonomy version, compile options and the calibration item ids), plus `stats.json`,
-the calibration statistics the tables came from (`CalibrationStats`; older policies carry none). A policy with
-statistics answers any budget in (0, 1]: `table(b)` for a budget it was not compiled for compiles that table from them
-with the policy's compile options (`pask_jax.policy_compiler`, milliseconds). On load, the statistics must reproduce
-the stored tables, so they cannot drift from what the policy does; `content_hash` covers the stored tables.
+layer count, group count, role taxonomy version, compile options, the calibration item ids and each bucket's action),
+plus `stats.json`, the calibration statistics the tables came from (`CalibrationStats`; older policies carry none). A
+policy with statistics answers any budget in (0, 1]: `table(b)` for a budget it was not compiled for compiles that
+table from them with the policy's compile options (`pask_jax.policy_compiler`, milliseconds). On load, the statistics
+must reproduce the stored tables, so they cannot drift from what the policy does; `content_hash` covers the stored
+tables. Format "pask-policy-v2" holds precision tables (their `action` arrays); a policy without them is written in
+format "pask-policy-v1" (what presence-only policies always were), and both are read.
 
 A policy is known by what it fits, not by a name or path: `ModelFingerprint` (architecture, layers, heads, head size,
 hidden size, a hash of the tokenizer's token table, role taxonomy). Using a policy for a model with another
@@ -31,10 +36,18 @@ from pathlib import Path
 
 import numpy as np
 
-from pask_jax.policy_compiler import CalibrationStats, CompileOptions, PolicyError, PolicyTable, compile_tables
+from pask_jax.policy_compiler import (
+    ACTION_NAMES,
+    CalibrationStats,
+    CompileOptions,
+    PolicyError,
+    PolicyTable,
+    compile_tables,
+)
 from pask_jax.structure.roles import ROLE_UPGRADES, TAXONOMY_VERSION, role_names, taxonomy_roles, upgrade_rows
 
-POLICY_FORMAT = "pask-policy-v1"
+POLICY_FORMAT = "pask-policy-v2"  # written when a table has precision actions
+POLICY_FORMAT_V1 = "pask-policy-v1"  # presence-only tables (no actions): written by policies without them
 SHIPPED_POLICIES = Path(str(importlib.resources.files("pask_jax") / "policies"))
 STATS_FILE = "stats.json"  # the calibration statistics, beside policy.json
 
@@ -112,7 +125,8 @@ class PersistencePolicy:
             return t
         key = ("upgraded", round(float(budget), 9))
         if key not in self._compiled_on_load:
-            rows = {name: upgrade_rows(getattr(t, name), self.taxonomy) for name in ("floor", "priority", "retain")}
+            names = ("floor", "priority", "retain") + (() if t.action is None else ("action",))
+            rows = {name: upgrade_rows(getattr(t, name), self.taxonomy) for name in names}
             self._compiled_on_load[key] = dataclasses.replace(t, **rows)
         return self._compiled_on_load[key]
 
@@ -160,12 +174,23 @@ class PersistencePolicy:
             digest.update(np.float64(t.budget).tobytes())
             for array in (t.floor, t.priority, t.retain, t.group_fractions):
                 digest.update(np.ascontiguousarray(array, np.float32).tobytes())
+            if t.action is not None:  # presence-only tables keep the hash they always had
+                digest.update(b"action" + np.ascontiguousarray(t.action, np.int8).tobytes())
         return digest.hexdigest()[:16]
 
     def summary(self) -> dict:
         names = role_names()[: taxonomy_roles(self.taxonomy)]
+        options = dataclasses.asdict(self.compile_options) if self.compile_options else None
+        if options is not None and options["entry_bytes"] is None:  # presence-only options as they were written
+            del options["entry_bytes"]
+
+        def actions(t: PolicyTable, r: int) -> list[str]:
+            if t.action is None:
+                return ["RETAIN" if x else "RELEASE" for x in t.retain[r]]
+            return [ACTION_NAMES[a] for a in t.action[r]]
+
         return {
-            "format": POLICY_FORMAT,
+            "format": POLICY_FORMAT if any(t.action is not None for t in self.tables) else POLICY_FORMAT_V1,
             "model": self.model,
             "fits": dataclasses.asdict(self.fits) if self.fits is not None else None,
             "num_layers": self.num_layers,
@@ -174,7 +199,7 @@ class PersistencePolicy:
             "release_window": self.release_window,
             "calibration_items": list(self.calibration_items),
             "notes": self.notes,
-            "compile_options": dataclasses.asdict(self.compile_options) if self.compile_options else None,
+            "compile_options": options,
             "tables": [
                 {
                     "budget": t.budget,
@@ -183,7 +208,7 @@ class PersistencePolicy:
                         names[r]: {
                             "floor": [round(float(x), 3) for x in t.floor[r]],
                             "priority": [round(float(x), 3) for x in t.priority[r]],
-                            "action": ["RETAIN" if x else "RELEASE" for x in t.retain[r]],
+                            "action": actions(t, r),
                         }
                         for r in range(len(names))
                     },
@@ -201,7 +226,11 @@ class PersistencePolicy:
         directory = Path(directory).absolute()
         directory.mkdir(parents=True, exist_ok=True)
         arrays = {
-            f"b{i}": {f.name: np.asarray(getattr(t, f.name)) for f in dataclasses.fields(PolicyTable)}
+            f"b{i}": {
+                f.name: np.asarray(getattr(t, f.name))
+                for f in dataclasses.fields(PolicyTable)
+                if getattr(t, f.name) is not None  # presence-only tables have no action array
+            }
             for i, t in enumerate(self.tables)
         }
         with ocp.StandardCheckpointer() as ckpt:
@@ -223,8 +252,10 @@ class PersistencePolicy:
         if not meta_path.exists():
             raise PolicyError(f"{directory} holds no policy (no policy.json); create one with `pask-jax calibrate`")
         meta = json.loads(meta_path.read_text())
-        if meta.get("format") != POLICY_FORMAT:
-            raise PolicyError(f"{meta_path}: format {meta.get('format')!r}, expected {POLICY_FORMAT!r}")
+        if meta.get("format") not in (POLICY_FORMAT_V1, POLICY_FORMAT):
+            raise PolicyError(
+                f"{meta_path}: format {meta.get('format')!r}, expected {POLICY_FORMAT_V1!r} or {POLICY_FORMAT!r}"
+            )
         with ocp.StandardCheckpointer() as ckpt:
             arrays = ckpt.restore(directory / "tables")
         stats = CalibrationStats.load(directory / STATS_FILE) if (directory / STATS_FILE).is_file() else None
@@ -236,6 +267,7 @@ class PersistencePolicy:
                 priority=np.asarray(arrays[f"b{i}"]["priority"], np.float32),
                 retain=np.asarray(arrays[f"b{i}"]["retain"], bool),
                 group_fractions=np.asarray(arrays[f"b{i}"]["group_fractions"], np.float32),
+                action=np.asarray(arrays[f"b{i}"]["action"], np.int8) if "action" in arrays[f"b{i}"] else None,
             )
             for i in range(len(meta["tables"]))
         )
@@ -275,11 +307,17 @@ class PersistencePolicy:
                 f"statistics for {s.num_layers} layers in {s.groups} groups, roles {s.taxonomy}; the policy has "
                 f"{self.num_layers} layers in {self.groups} groups, roles {self.taxonomy}: {hint}"
             )
-        again = compile_tables(s, [t.budget for t in self.tables], self.compile_options)
+        try:
+            again = compile_tables(s, [t.budget for t in self.tables], self.compile_options)
+        except PolicyError as error:  # e.g. precision options with statistics that have no LOW measurements
+            raise PolicyError(f"{error}: {hint}") from None
         for stored, recompiled in zip(self.tables, again, strict=True):
-            for field in ("floor", "priority", "group_fractions", "retain"):
-                a, b = (np.asarray(getattr(t, field), np.float64) for t in (stored, recompiled))
-                if a.shape != b.shape or not np.allclose(a, b, rtol=0.0, atol=1e-6):
+            for field in ("floor", "priority", "group_fractions", "retain", "action"):
+                a, b = (getattr(t, field) for t in (stored, recompiled))
+                if a is None and b is None:  # presence-only tables: no actions on either side
+                    continue
+                a, b = (None if x is None else np.asarray(x, np.float64) for x in (a, b))
+                if a is None or b is None or a.shape != b.shape or not np.allclose(a, b, rtol=0.0, atol=1e-6):
                     raise PolicyError(f"the statistics do not reproduce the {field} of budget {stored.budget}: {hint}")
 
 

@@ -4,6 +4,8 @@ It sits below `pask_jax.policy` (which compiles a table on load for a budget it 
 JAX, model or calibration pass; `pask_jax.calibration` measures the statistics (`CalibrationStats`) and
 `pask_jax.calibration.compiler.compile_policy` wraps the tables into a policy.
 
+Presence compile (`compile_table`, the default: `CompileOptions.entry_bytes` is None):
+
 1. Floors from task-error sensitivity: `floor[r, g]` is the smallest calibrated keep level whose task-error increase
    stays within `tolerance` (1.0 if none does). Each bucket's floor is measured with every other bucket present, so
    floors add up: if a group's floors cost more than `floor_share` of its share of the budget, the floors of the
@@ -18,10 +20,30 @@ JAX, model or calibration pass; `pask_jax.calibration` measures the statistics (
 3. The online method sees the result as a per-group kept fraction and a priority order inside each group (higher
    distortion per entry is kept longer); buckets keeping >= half their entries RETAIN, the others RELEASE.
 
-Ablations (`CompileOptions.ablation`, `pask-jax calibrate --ablation`): `no_floors`; `no_distortion` (floors +
-uniform shares); `one_role` (structure off: statistics pooled over roles, so every role of a group gets the same floor
-and priority); `one_group` (statistics pooled over layer groups: one policy for all layers). Pooling is an
-entries-weighted mean; the cache keeps its layer groups, only the policy loses the distinction.
+Precision compile (`compile_action_table`: `entry_bytes` given and statistics with the LOW-precision measurements).
+The cache holds an entry at HIGH precision (a bf16 slot) or LOW precision (a 2-bit block entry, a fraction of the
+bytes), and the budget counts bytes against a full bf16 cache. Each bucket gets one of three actions: RELEASE
+(evicted first), RETAIN_LOW (kept at LOW precision) or RETAIN_HIGH (kept at HIGH precision).
+
+1. Floor actions: the cheapest action whose task-error increase stays within `tolerance` (RELEASE if removing the
+   bucket is harmless, else RETAIN_LOW if storing it at LOW precision is, else RETAIN_HIGH). If a group's floors
+   cost more than `floor_share` of its share of the bytes, the floors with the least task error per byte saved step
+   down first, one action at a time.
+2. The remaining bytes: a multiple-choice knapsack over (bucket, action), value = the attention-output distortion
+   an action removes relative to RELEASE (HIGH removes all of it, LOW what LOW precision does not add back), cost =
+   entry-layers x bytes of the action. Solved greedily over each bucket's upper convex hull of (cost, value) (a LOW
+   worth less per byte than the step from LOW to HIGH is skipped: RELEASE goes to HIGH directly) in one order of
+   incremental value per byte; actions are discrete, so an upgrade that does not fit whole is passed over for
+   smaller ones. Layer groups are bounded as above, in bytes.
+3. The table carries the actions; `retain` = not RELEASE, `floor` = 1 for retained buckets (the fraction floor of
+   the presence compile for released ones), `priority` = the rank of the value per byte, and `group_fractions` the
+   plan's bytes per group over the group's reference bytes.
+
+Ablations (`CompileOptions.ablation`, `pask-jax calibrate --ablation`): `no_floors` (no fraction floors; floor actions
+RELEASE); `no_distortion` (floors + uniform shares: every value 1 per entry-layer or per byte); `one_role` (structure
+off: statistics pooled over roles, so every role of a group gets the same floor and priority); `one_group`
+(statistics pooled over layer groups: one policy for all layers). Pooling is an entries-weighted mean; the cache keeps
+its layer groups, only the policy loses the distinction.
 """
 
 from __future__ import annotations
@@ -36,7 +58,7 @@ import numpy as np
 
 from pask_jax.layers import layer_groups
 
-GROUP_SHARE = 2.0  # a layer group keeps between budget / GROUP_SHARE and GROUP_SHARE x budget of its entries
+GROUP_SHARE = 2.0  # a layer group keeps between budget / GROUP_SHARE and GROUP_SHARE x budget of its entries (bytes)
 ABLATIONS = ("none", "no_floors", "no_distortion", "one_role", "one_group")
 STATS_ARRAYS = (  # the array fields of CalibrationStats (and the calibration loop's running sums)
     "task_error",
@@ -47,6 +69,14 @@ STATS_ARRAYS = (  # the array fields of CalibrationStats (and the calibration lo
     "entries",
     "present",
 )
+LOW_STATS_ARRAYS = (  # the optional LOW-precision array fields (running sums too, when calibrated with a LOW storage)
+    "task_error_low",
+    "task_error_strict_low",
+    "nll_delta_low",
+    "distortion_low",
+)
+RELEASE, RETAIN_LOW, RETAIN_HIGH = 0, 1, 2  # a bucket's action (`PolicyTable.action`), in order of bytes held
+ACTION_NAMES = ("RELEASE", "RETAIN_LOW", "RETAIN_HIGH")
 
 
 class PolicyError(ValueError):
@@ -57,7 +87,9 @@ class PolicyError(ValueError):
 class CalibrationStats:
     """Means over calibration items. Bucket arrays are [R, G] / [R, G, Λ]; a bucket absent from every item is 0
     (see `present`). Changes are variant minus baseline of the same item, averaged over items where the bucket is
-    present; distortion is at keep level 0 (bucket removed), per entry = divided by the entries it hid."""
+    present; distortion is at keep level 0 (bucket removed), per entry = divided by the entries it hid. The LOW
+    statistics (None when calibrated without a LOW precision) are the same changes with the bucket's entries stored
+    at LOW precision instead of removed."""
 
     task_error: np.ndarray  # f64[R, G, Λ] increase in P(call wrong): greedy constrained decoding leaves the gold text
     task_error_strict: np.ndarray  # f64[R, G, Λ] the same, token-exact and with the end-of-turn token
@@ -79,15 +111,24 @@ class CalibrationStats:
     skipped: dict[str, str]  # item id -> why it was not calibrated
     wall_s: float
     target: str = "canonical"  # "own" (the model's own full-KV call) or "canonical"; older statistics are canonical
+    task_error_low: np.ndarray | None = None  # f64[R, G] as task_error[..., level 0.0], the bucket at LOW precision
+    task_error_strict_low: np.ndarray | None = None  # f64[R, G] as task_error_strict[..., level 0.0]
+    nll_delta_low: np.ndarray | None = None  # f64[R, G] as nll_delta[..., level 0.0]
+    distortion_low: np.ndarray | None = None  # f64[R, G] as distortion
+    low_storage: str | None = None  # the LOW precision measured (a storage preset such as "kivi2")
 
     def to_json(self) -> str:
-        return json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in vars(self).items()})
+        # Absent LOW statistics are left out: statistics without them keep the bytes of their file.
+        optional = (*LOW_STATS_ARRAYS, "low_storage")
+        fields = {k: v for k, v in vars(self).items() if v is not None or k not in optional}
+        return json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in fields.items()})
 
     @classmethod
     def from_json(cls, text: str) -> CalibrationStats:
         d = json.loads(text)
         arrays = {k: np.asarray(d[k], np.int64 if k == "present" else np.float64) for k in STATS_ARRAYS}
-        return cls(**(d | arrays | {"levels": tuple(d["levels"])}))
+        low = {k: np.asarray(d[k], np.float64) for k in LOW_STATS_ARRAYS if d.get(k) is not None}
+        return cls(**(d | arrays | low | {"levels": tuple(d["levels"])}))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -106,17 +147,21 @@ class PolicyTable:
     priority: np.ndarray  # f32[R, G] in [0, 1)
     retain: np.ndarray  # bool[R, G]
     group_fractions: np.ndarray  # f32[G]
+    action: np.ndarray | None = None  # i8[R, G] RELEASE / RETAIN_LOW / RETAIN_HIGH (None: a presence-only table)
 
     def validate(self, roles: int, groups: int) -> None:
-        for name, shape in (("floor", (roles, groups)), ("priority", (roles, groups)), ("retain", (roles, groups))):
-            if getattr(self, name).shape != shape:
-                raise PolicyError(f"policy {name} has shape {getattr(self, name).shape}, expected {shape}")
+        bucket_arrays = ("floor", "priority", "retain") + (() if self.action is None else ("action",))
+        for name in bucket_arrays:
+            if getattr(self, name).shape != (roles, groups):
+                raise PolicyError(f"policy {name} has shape {getattr(self, name).shape}, expected {(roles, groups)}")
         if self.group_fractions.shape != (groups,):
             raise PolicyError(f"group_fractions has shape {self.group_fractions.shape}, expected ({groups},)")
         if not ((self.floor >= 0) & (self.floor <= 1)).all() or not ((self.priority >= 0) & (self.priority < 1)).all():
             raise PolicyError("floors must lie in [0, 1] and priorities in [0, 1)")
         if not ((self.group_fractions > 0) & (self.group_fractions <= 1)).all():
             raise PolicyError(f"group fractions must lie in (0, 1]: {self.group_fractions}")
+        if self.action is not None and not np.isin(self.action, (RELEASE, RETAIN_LOW, RETAIN_HIGH)).all():
+            raise PolicyError(f"actions must be one of {', '.join(f'{i} ({n})' for i, n in enumerate(ACTION_NAMES))}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,17 +171,28 @@ class CompileOptions:
     tolerance: float = 0.02  # task-error increase a floor may allow
     floor_share: float = 1.0  # fraction of a layer group's share of the budget its floors may take
     ablation: str = "none"
+    # (full bf16, LOW, HIGH) bytes of one entry of one KV head of one layer. Given: compile precision actions (the
+    # statistics must carry the LOW measurements); None: presence-only tables.
+    entry_bytes: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.ablation not in ABLATIONS:
             raise ValueError(f"unknown ablation {self.ablation!r}; choose one of {', '.join(ABLATIONS)}")
         if not 0.0 <= self.floor_share <= 1.0:
             raise ValueError(f"floor_share={self.floor_share} must be in [0, 1]")
+        if self.entry_bytes is not None:
+            entry_bytes = tuple(float(x) for x in self.entry_bytes)  # policy.json gives a list
+            if len(entry_bytes) != 3 or min(entry_bytes) <= 0 or entry_bytes[1] >= entry_bytes[2]:
+                raise ValueError(
+                    f"entry_bytes={self.entry_bytes} must be three positive sizes (full bf16, LOW, HIGH), LOW < HIGH"
+                )
+            object.__setattr__(self, "entry_bytes", entry_bytes)
 
 
 def pooled_stats(stats, axis: int):
-    """Statistics with task error and distortion per entry replaced by their entries-weighted mean over `axis`
-    (0: roles, 1: groups), broadcast back; entries stay per bucket (they are the knapsack weights)."""
+    """Statistics with task error and distortion replaced by their entries-weighted mean over `axis` (0: roles,
+    1: groups), broadcast back (per entry; bucket totals as that mean x the bucket's entries); entries stay per
+    bucket (they are the knapsack weights)."""
     weight = np.asarray(stats.entries, np.float64)
 
     def pool(x: np.ndarray) -> np.ndarray:
@@ -147,7 +203,59 @@ def pooled_stats(stats, axis: int):
     pooled = copy.copy(stats)
     pooled.task_error = pool(np.asarray(stats.task_error, np.float64))
     pooled.distortion_per_entry = pool(np.asarray(stats.distortion_per_entry, np.float64))
+    if getattr(stats, "task_error_low", None) is not None:
+        pooled.task_error_low = pool(np.asarray(stats.task_error_low, np.float64))
+    for name in ("distortion", "distortion_low"):  # bucket totals: pooled per entry
+        if getattr(stats, name, None) is not None:
+            per_entry = np.asarray(getattr(stats, name), np.float64) / np.maximum(weight, 1e-9)
+            setattr(pooled, name, pool(per_entry) * weight)
     return pooled
+
+
+def _check_budget(budget: float, floor_share: float) -> None:
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget={budget} must be in (0, 1]")
+    if not 0.0 <= floor_share <= 1.0:
+        raise ValueError(f"floor_share={floor_share} must be in [0, 1]")
+
+
+def _bucket_weights(stats, group_layers: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(layers f64[G], weight f64[R, G] = entry-layers of each bucket, total f64[G] = entry-layers of each group)."""
+    entries = np.asarray(stats.entries, np.float64)  # mean entries per item, per bucket
+    layers = np.ones(entries.shape[1]) if group_layers is None else np.asarray(group_layers, np.float64)
+    return layers, entries * layers[None, :], entries.sum(0) * layers
+
+
+def _fraction_floors(
+    stats, budget: float, tolerance: float, floor_share: float, weight: np.ndarray, total_per_group: np.ndarray
+) -> np.ndarray:
+    """f64[R, G] the smallest keep level within tolerance of the baseline task error per bucket, lowered (least
+    sensitive per entry-layer first) until each group's floors take at most floor_share of its share of the budget."""
+    levels = np.asarray(stats.levels, np.float64)
+    within = np.asarray(stats.task_error) <= tolerance  # [R, G, Λ]
+    first_ok = np.where(within.any(-1), levels[np.argmax(within, -1)], 1.0)
+    floor = np.where(np.asarray(stats.entries) > 0, first_ok, 0.0)
+    # Error increase when the bucket is removed, per entry-layer it would cost to keep.
+    sensitivity = np.asarray(stats.task_error)[..., 0] / np.maximum(weight, 1e-9)
+    for g in range(floor.shape[1]):
+        share = floor_share * budget * total_per_group[g]
+        for r in np.argsort(sensitivity[:, g], kind="stable"):  # least sensitive floors give way first
+            excess = (floor[:, g] * weight[:, g]).sum() - share
+            if excess <= 0:
+                break
+            floor[r, g] = max(0.0, floor[r, g] - excess / max(weight[r, g], 1e-9))
+    return floor
+
+
+def _dense_rank(value: np.ndarray) -> np.ndarray:
+    """The rank of each value among the distinct values (equal values share it), scaled into [0, 1)."""
+    distinct = np.unique(value)
+    return np.searchsorted(distinct, value) / len(distinct)
+
+
+def _within_budget(fractions: np.ndarray, budget: float, layers: np.ndarray) -> np.ndarray:
+    """`fractions` scaled down where their layer-weighted mean exceeds the budget (float rounding never lifts it)."""
+    return fractions * min(1.0, budget * layers.sum() / (fractions * layers).sum())
 
 
 def _fill_by_value(
@@ -182,34 +290,17 @@ def compile_table(
     floor_share: float = 1.0,
     group_layers: np.ndarray | None = None,  # i[G] layers per group (default: equal)
 ) -> PolicyTable:
-    """One budget's table from `CalibrationStats` (task_error[R, G, Λ], distortion_per_entry[R, G], entries[R, G])."""
-    if not 0.0 < budget <= 1.0:
-        raise ValueError(f"budget={budget} must be in (0, 1]")
-    if not 0.0 <= floor_share <= 1.0:
-        raise ValueError(f"floor_share={floor_share} must be in [0, 1]")
-    entries = np.asarray(stats.entries, np.float64)  # mean entries per item, per bucket
-    roles, groups = entries.shape
-    layers = np.ones(groups) if group_layers is None else np.asarray(group_layers, np.float64)
-    weight = entries * layers[None, :]  # entry-layers of each bucket
-    total_per_group = entries.sum(0) * layers  # entry-layers of each group at full KV
+    """One budget's presence table from `CalibrationStats` (task_error[R, G, Λ], distortion_per_entry[R, G],
+    entries[R, G])."""
+    _check_budget(budget, floor_share)
+    layers, weight, total_per_group = _bucket_weights(stats, group_layers)
+    roles, groups = weight.shape
     capacity = budget * total_per_group.sum()
 
     # 1. Floors: smallest keep level within tolerance of the baseline task error.
-    levels = np.asarray(stats.levels, np.float64)
     floor = np.zeros((roles, groups))
     if use_floors:
-        within = np.asarray(stats.task_error) <= tolerance  # [R, G, Λ]
-        first_ok = np.where(within.any(-1), levels[np.argmax(within, -1)], 1.0)
-        floor = np.where(entries > 0, first_ok, 0.0)
-        # Error increase when the bucket is removed, per entry-layer it would cost to keep.
-        sensitivity = np.asarray(stats.task_error)[..., 0] / np.maximum(weight, 1e-9)
-        for g in range(groups):
-            share = floor_share * budget * total_per_group[g]
-            for r in np.argsort(sensitivity[:, g], kind="stable"):  # least sensitive floors give way first
-                excess = (floor[:, g] * weight[:, g]).sum() - share
-                if excess <= 0:
-                    break
-                floor[r, g] = max(0.0, floor[r, g] - excess / max(weight[r, g], 1e-9))
+        floor = _fraction_floors(stats, budget, tolerance, floor_share, weight, total_per_group)
 
     # 2. Residual capacity by distortion per entry (fractional knapsack, greedy by value density). Every group first
     #    reaches budget / GROUP_SHARE (its own best buckets first), then all compete, no group above GROUP_SHARE x
@@ -220,12 +311,10 @@ def compile_table(
     # With the lower bounds as caps and their total deficit as the amount, every group fills exactly its own deficit.
     kept = _fill_by_value(kept, weight, value, low, np.maximum(low - kept.sum(0), 0.0).sum())
     kept = _fill_by_value(kept, weight, value, high, capacity - kept.sum())
-    fractions = kept.sum(0) / np.maximum(total_per_group, 1e-9)
-    fractions *= min(1.0, budget * layers.sum() / (fractions * layers).sum())  # float rounding never lifts the cap
+    fractions = _within_budget(kept.sum(0) / np.maximum(total_per_group, 1e-9), budget, layers)
     kept_fraction = np.where(weight > 0, kept / np.maximum(weight, 1e-9), 0.0)
     # Priority: the rank of the bucket's value (dense: equal values share a priority), scaled into [0, 1).
-    distinct = np.unique(value)
-    priority = np.searchsorted(distinct, value) / len(distinct) if use_distortion else np.zeros((roles, groups))
+    priority = _dense_rank(value) if use_distortion else np.zeros((roles, groups))
     return PolicyTable(
         budget=float(budget),
         floor=floor.astype(np.float32),
@@ -235,23 +324,161 @@ def compile_table(
     )
 
 
+def _held(per_action: np.ndarray, action: np.ndarray) -> np.ndarray:
+    """f64[R, G] the entry of `per_action` (f64[R, G, 3]) at each bucket's action."""
+    return np.take_along_axis(per_action, action[..., None].astype(np.intp), -1)[..., 0]
+
+
+def _step_floors_down(
+    action: np.ndarray,  # i[R, G] floor actions
+    error: np.ndarray,  # f64[R, G, 3] task-error increase under each action
+    cost: np.ndarray,  # f64[R, G, 3] bytes of each action
+    share: np.ndarray,  # f64[G] most bytes a group's floors may take
+    slack: float,  # bytes of float rounding to ignore
+) -> np.ndarray:
+    """Floor actions lowered one step at a time, the step adding the least task error per byte saved first (ties: the
+    lowest role id), until each group's floors fit its share."""
+    action = action.copy()
+    for g in range(action.shape[1]):
+        while _held(cost, action)[:, g].sum() > share[g] + slack:
+            lowerable = np.nonzero((action[:, g] > RELEASE) & (cost[:, g, RETAIN_HIGH] > 0))[0]
+            a = action[lowerable, g]
+            saved = cost[lowerable, g, a] - cost[lowerable, g, a - 1]
+            worse = np.maximum(error[lowerable, g, a - 1] - error[lowerable, g, a], 0.0)
+            action[lowerable[np.argmin(worse / saved)], g] -= 1
+    return action
+
+
+def _hull_steps(start: np.ndarray, cost: np.ndarray, value: np.ndarray) -> list[tuple[float, int, int, int, int]]:
+    """Every upgrade of a bucket with entries from its floor action `start` along the upper convex hull of its
+    (cost, value) points, as (incremental value per byte, from, to, role, group), in the order the greedy takes
+    them: most value per byte first, then cheaper targets (a bucket's LOW before its HIGH when both are worth the
+    same per byte), then role and group."""
+    steps = []
+    for r, g in zip(*np.nonzero(cost[..., RETAIN_HIGH] > 0), strict=True):
+        c, v = cost[r, g], value[r, g]
+        points = list(range(start[r, g], RETAIN_HIGH + 1))
+        # LOW lies under the hull when the step LOW -> HIGH is worth more per byte than the step to LOW (slopes
+        # compared cross-multiplied: RELEASE costs nothing, LOW less than HIGH).
+        to_low, low_to_high = v[RETAIN_LOW] - v[RELEASE], v[RETAIN_HIGH] - v[RETAIN_LOW]
+        if len(points) == 3 and to_low * (c[RETAIN_HIGH] - c[RETAIN_LOW]) < low_to_high * c[RETAIN_LOW]:
+            points = [RELEASE, RETAIN_HIGH]
+        for a, b in zip(points, points[1:], strict=False):
+            steps.append((float((v[b] - v[a]) / (c[b] - c[a])), a, b, int(r), int(g)))
+    return sorted(steps, key=lambda s: (-s[0], s[2], s[3], s[4]))
+
+
+def _take_upgrades(
+    action: np.ndarray,  # i[R, G]
+    steps: list[tuple[float, int, int, int, int]],  # from `_hull_steps`
+    cost: np.ndarray,  # f64[R, G, 3]
+    group_cap: np.ndarray,  # f64[G] most bytes a group may hold
+    capacity: float,  # most bytes the plan may hold
+    slack: float,
+) -> np.ndarray:
+    """`action` with the upgrades of `steps` taken in order wherever one fits whole (the bucket at its `from` action,
+    its group within its cap, the plan within capacity); one that does not fit is passed over for smaller ones."""
+    action = action.copy()
+    spent = _held(cost, action).sum(0)  # f64[G]
+    for _, a, b, r, g in steps:
+        extra = cost[r, g, b] - cost[r, g, a]
+        if action[r, g] == a and extra <= min(group_cap[g] - spent[g], capacity - spent.sum()) + slack:
+            action[r, g] = b
+            spent[g] += extra
+    return action
+
+
+def compile_action_table(
+    stats,
+    budget: float,
+    entry_bytes: tuple[float, float, float],
+    *,
+    tolerance: float = 0.02,
+    use_floors: bool = True,
+    use_distortion: bool = True,
+    floor_share: float = 1.0,
+    group_layers: np.ndarray | None = None,  # i[G] layers per group (default: equal)
+) -> PolicyTable:
+    """One budget's table with precision actions from `CalibrationStats` carrying the LOW statistics (task_error[R,
+    G, Λ], task_error_low, distortion, distortion_low, entries[R, G]). `entry_bytes` = (full bf16, LOW, HIGH) bytes
+    of one entry of one KV head of one layer; the budget is bytes held over the bytes of a full bf16 cache."""
+    _check_budget(budget, floor_share)
+    full, low_bytes, high_bytes = entry_bytes
+    layers, weight, total_per_group = _bucket_weights(stats, group_layers)
+    roles, groups = weight.shape
+    cost = weight[..., None] * np.array([0.0, low_bytes, high_bytes])  # f64[R, G, 3] bytes of each action
+    reference = full * total_per_group  # f64[G] bytes of each group at full bf16 KV
+    capacity = budget * reference.sum()
+    slack = 1e-9 * reference.sum()  # byte sums that agree up to float rounding fit
+    present = weight > 0
+
+    # 1. Floor actions: the cheapest action within tolerance (HIGH precision is the baseline: no error).
+    removed = np.asarray(stats.task_error, np.float64)[..., list(stats.levels).index(0.0)]
+    error = np.stack([removed, np.asarray(stats.task_error_low, np.float64), np.zeros_like(removed)], -1)
+    start = np.full((roles, groups), RELEASE)
+    if use_floors:
+        low_ok = np.where(error[..., RETAIN_LOW] <= tolerance, RETAIN_LOW, RETAIN_HIGH)
+        start = np.where(removed <= tolerance, RELEASE, low_ok)
+    start[~present] = RETAIN_LOW  # nothing measured and nothing to pay for: neither dropped nor full precision
+    start = _step_floors_down(start, error, cost, floor_share * budget * reference, slack)
+
+    # 2. The remaining bytes: multiple-choice knapsack over (bucket, action), value = distortion removed relative to
+    #    RELEASE. Distortion is a norm ratio over the group's layers: like the presence compile (value per
+    #    entry-layer), each layer of the group counts, so a bucket's value per byte does not depend on its group's
+    #    size. Group bounds as in the presence compile, in bytes.
+    if use_distortion:
+        distortion = np.asarray(stats.distortion, np.float64) * layers
+        low_value = np.clip(distortion - np.asarray(stats.distortion_low, np.float64) * layers, 0.0, distortion)
+        value = np.stack([np.zeros_like(distortion), low_value, distortion], -1)  # f64[R, G, 3]
+    else:
+        value = cost  # every byte worth the same
+    steps = _hull_steps(start, cost, value)
+    low, high = budget / GROUP_SHARE * reference, min(1.0, GROUP_SHARE * budget) * reference
+    action = _take_upgrades(start, steps, cost, low, capacity, slack)  # every group its own lower bound first
+    action = _take_upgrades(action, steps, cost, high, capacity, slack)
+
+    # 3. The table. Priority: the rank of the value per byte of the action held (of the first upgrade for RELEASE).
+    held = _held(cost, action)
+    density = np.where(held > 0, _held(value, action) / np.maximum(held, 1e-30), 0.0)
+    for d, a, _, r, g in steps:
+        if a == RELEASE and action[r, g] == RELEASE:
+            density[r, g] = d
+    priority = _dense_rank(density) if use_distortion else np.zeros((roles, groups))
+    fraction_floor = np.zeros((roles, groups))
+    if use_floors:
+        fraction_floor = _fraction_floors(stats, budget, tolerance, floor_share, weight, total_per_group)
+    floor = np.where(action == RELEASE, fraction_floor, 1.0)  # retained buckets are not released: all are kept
+    fractions = held.sum(0) / np.maximum(reference, 1e-9)
+    fractions = _within_budget(np.clip(fractions, budget / GROUP_SHARE, min(1.0, GROUP_SHARE * budget)), budget, layers)
+    return PolicyTable(
+        budget=float(budget),
+        floor=floor.astype(np.float32),
+        priority=priority.astype(np.float32),
+        retain=action != RELEASE,
+        group_fractions=fractions.astype(np.float32),
+        action=action.astype(np.int8),
+    )
+
+
 def compile_tables(
     stats, budgets: Sequence[float], options: CompileOptions = CompileOptions()
 ) -> tuple[PolicyTable, ...]:
     """One table per budget from `stats` under `options` (the ablation pools the statistics or switches a stage
-    off); layer groups are weighted by their layer counts."""
+    off); layer groups are weighted by their layer counts. With `options.entry_bytes`, precision actions
+    (`compile_action_table`: PolicyError if the statistics lack the LOW measurements), else presence tables."""
+    if options.entry_bytes is not None:
+        missing = [name for name in LOW_STATS_ARRAYS if getattr(stats, name, None) is None]
+        if missing:
+            raise PolicyError(
+                f"entry_bytes={options.entry_bytes} compiles precision actions, which need every bucket measured at "
+                f"LOW precision, and these statistics lack {', '.join(missing)}: calibrate with a LOW precision "
+                "(`low_storage`, e.g. 'kivi2'), or compile presence-only tables (no entry_bytes)"
+            )
     if options.ablation in ("one_role", "one_group"):
         stats = pooled_stats(stats, axis=0 if options.ablation == "one_role" else 1)
     off = {"no_floors": {"use_floors": False}, "no_distortion": {"use_distortion": False}}.get(options.ablation, {})
     group_layers = np.asarray([b - a for a, b in layer_groups(stats.num_layers, stats.groups)])
-    return tuple(
-        compile_table(
-            stats,
-            budget,
-            tolerance=options.tolerance,
-            floor_share=options.floor_share,
-            group_layers=group_layers,
-            **off,
-        )
-        for budget in budgets
-    )
+    common = {"tolerance": options.tolerance, "floor_share": options.floor_share, "group_layers": group_layers} | off
+    if options.entry_bytes is None:
+        return tuple(compile_table(stats, budget, **common) for budget in budgets)
+    return tuple(compile_action_table(stats, budget, options.entry_bytes, **common) for budget in budgets)

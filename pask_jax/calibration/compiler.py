@@ -25,6 +25,7 @@ def compile_policy(
     fits: ModelFingerprint | None = None,
     tolerance: float = 0.02,
     floor_share: float = 1.0,
+    entry_bytes: tuple[float, float, float] | None = None,  # (full bf16, LOW, HIGH): precision actions (CompileOptions)
 ) -> PersistencePolicy:
     """A policy over several budgets, carrying the calibration's model, layer count, groups and item ids, the
     statistics and compile options (so it answers any other budget too), and the fingerprint of the model it fits
@@ -35,7 +36,7 @@ def compile_policy(
             f"the statistics were calibrated on {stats.model} ({stats.num_layers} layers); the model has "
             f"{fits.num_layers}: calibrate this model (`pask-jax calibrate --model ...`)"
         )
-    options = CompileOptions(tolerance=tolerance, floor_share=floor_share, ablation=ablation)
+    options = CompileOptions(tolerance=tolerance, floor_share=floor_share, ablation=ablation, entry_bytes=entry_bytes)
     return PersistencePolicy(
         model=stats.model,
         num_layers=stats.num_layers,

@@ -1,5 +1,5 @@
-"""Policy compiler and the online PASK method: budgets, floors, priorities, save/load, statistics carried and any
-budget compiled on load, fingerprint mismatches."""
+"""Policy compiler and the online PASK method: budgets, floors, priorities, precision actions, save/load (formats v1
+and v2), statistics carried and any budget compiled on load, fingerprint mismatches."""
 
 from __future__ import annotations
 
@@ -27,7 +27,16 @@ from pask_jax.policy import (
     find_shipped_policy,
     resolve_policy,
 )
-from pask_jax.policy_compiler import CalibrationStats, compile_table, pooled_stats
+from pask_jax.policy_compiler import (
+    RELEASE,
+    RETAIN_HIGH,
+    RETAIN_LOW,
+    CalibrationStats,
+    CompileOptions,
+    compile_table,
+    compile_tables,
+    pooled_stats,
+)
 from pask_jax.runtime.engine import Engine
 from pask_jax.structure.roles import Role, num_roles
 
@@ -384,3 +393,192 @@ def test_retained_call_outranks_floors_and_released_entries_leave_first():
     late = np.asarray(method.eviction_priority(0, scores, pos, role, jnp.asarray([5 + 20]), jnp.asarray([4])))
     assert late[0, 0, 0] == prompt[1]  # prompt entries are never released
     assert late[0, 0, 1] == 5 < POSITION_RANGE  # released after the window: level 0, oldest first
+
+
+# ---- precision actions (RELEASE / RETAIN_LOW / RETAIN_HIGH under a byte budget) -------------------------------------
+
+BYTES = (256.0, 53.0, 271.0)  # head_dim 64: a full bf16 entry, a KIVI 2-bit block entry, a bf16 slot with metadata
+ACTIONS = np.array([0.0, BYTES[1], BYTES[2]])  # bytes of one entry under each action
+
+
+def low_calibration() -> CalibrationStats:
+    """`synthetic_calibration` measured at LOW precision too: LOW adds back a tenth of a bucket's distortion, except
+    schema punctuation's (LOW removes none of it: dominated by HIGH); user text's call survives LOW precision (its
+    removal breaks it), tool names' does not."""
+    s = synthetic_calibration()
+    s.distortion_low = 0.1 * s.distortion
+    s.distortion_low[Role.SCHEMA_PUNCT] = s.distortion[Role.SCHEMA_PUNCT]
+    s.task_error_low = np.zeros((R, G))
+    s.task_error_low[Role.TOOL_NAME] = 0.3
+    s.task_error_strict_low, s.nll_delta_low = np.zeros((R, G)), np.zeros((R, G))
+    s.low_storage = "kivi2"
+    return s
+
+
+def _precision(stats, budget: float, **options):
+    (table,) = compile_tables(stats, [budget], CompileOptions(entry_bytes=options.pop("entry_bytes", BYTES), **options))
+    table.validate(R, G)
+    return table
+
+
+@pytest.mark.parametrize("budget", [0.05, 0.1, 0.2, 0.33, 0.5, 1.0])
+def test_precision_plan_obeys_byte_budget_and_floors(budget: float):
+    stats = low_calibration()
+    table = _precision(stats, budget)
+    held = (stats.entries * ACTIONS[table.action]).sum(0)  # f64[G] bytes per layer (groups have 2 layers each)
+    reference = BYTES[0] * stats.entries.sum(0)
+    assert held.sum() <= budget * reference.sum() + 1e-6
+    assert (held <= min(1.0, 2 * budget) * reference + 1e-6).all()  # no group takes everything
+    assert table.group_fractions.mean() <= budget + 1e-6
+    np.testing.assert_array_equal(table.retain, table.action != RELEASE)
+    assert (table.floor[table.retain] == 1.0).all()
+    # Floors: user text at least LOW (removal breaks the call, LOW does not), tool names HIGH (LOW breaks it too):
+    # 15 x 53 + 5 x 271 bytes per layer, which fit from budget 0.06 on.
+    assert (table.action[Role.USER_TEXT] >= RETAIN_LOW).all()
+    if budget >= 0.1:
+        assert (table.action[Role.TOOL_NAME] == RETAIN_HIGH).all()
+    else:  # tool names' floor gives way first (less task error per byte saved than user text's), down to LOW
+        assert (table.action[Role.TOOL_NAME] >= RETAIN_LOW).all()
+        assert (table.action[Role.TOOL_NAME] == RETAIN_LOW).any()
+    if budget < 0.2:  # descriptions are worth the least per byte
+        assert (table.action[Role.DESCRIPTION] == RELEASE).all()
+
+
+def test_low_within_tolerance_gets_retain_low_floor():
+    stats = low_calibration()
+    assert _precision(stats, 0.2).action[Role.USER_TEXT].tolist() == [RETAIN_LOW] * G
+    stats.task_error_low[Role.USER_TEXT, 1] = 0.5  # LOW precision breaks the call too: HIGH is its floor
+    assert _precision(stats, 0.2).action[Role.USER_TEXT].tolist() == [RETAIN_LOW, RETAIN_HIGH]
+
+
+def test_dominated_low_goes_from_release_to_high():
+    """Schema punctuation at LOW is as distorted as removed: it goes RELEASE -> HIGH even where its LOW would fit."""
+    stats = low_calibration()
+    for budget in (0.05, 0.1, 0.2, 0.33, 0.5, 1.0):
+        assert RETAIN_LOW not in _precision(stats, budget).action[Role.SCHEMA_PUNCT]
+    assert _precision(stats, 0.2).action[Role.SCHEMA_PUNCT].tolist() == [RELEASE] * G
+    assert _precision(stats, 0.5).action[Role.SCHEMA_PUNCT].tolist() == [RETAIN_HIGH] * G
+    stats.distortion_low[Role.SCHEMA_PUNCT] *= 0.1  # LOW now worth its bytes: taken at 0.2
+    assert _precision(stats, 0.2).action[Role.SCHEMA_PUNCT].tolist() == [RETAIN_LOW] * G
+
+
+def test_budget_one_keeps_everything_high_when_it_fits():
+    stats = low_calibration()
+    present = stats.entries > 0
+    table = _precision(stats, 1.0, entry_bytes=(256.0, 53.0, 256.0))  # HIGH as large as the reference
+    assert (table.action[present] == RETAIN_HIGH).all() and (table.action[~present] == RETAIN_LOW).all()
+    np.testing.assert_allclose(table.group_fractions, 1.0, atol=1e-6)
+    # with metadata HIGH costs more than the reference: not everything can be HIGH, what is left goes LOW
+    table = _precision(stats, 1.0)
+    assert (table.action[present] >= RETAIN_LOW).all() and (table.action[present] == RETAIN_LOW).any()
+
+
+def test_precision_priority_follows_value_per_byte():
+    table = _precision(low_calibration(), 0.2)
+    assert (table.priority[Role.TOOL_NAME] > table.priority[Role.USER_TEXT]).all()  # 0.5 vs 0.01 per entry
+    assert (table.priority[Role.USER_TEXT] > table.priority[Role.DESCRIPTION]).all()  # both LOW: 0.01 vs 0.001
+
+
+def test_precision_ablations():
+    stats = low_calibration()
+    no_floors = _precision(stats, 0.05, ablation="no_floors")
+    assert no_floors.action[Role.USER_TEXT].tolist() == [RETAIN_LOW, RELEASE]  # its floor kept it LOW in both
+    assert (no_floors.floor[no_floors.action == RELEASE] == 0).all()
+    uniform = _precision(stats, 0.2, ablation="no_distortion")
+    assert (uniform.priority == 0).all() and (uniform.action[Role.TOOL_NAME] == RETAIN_HIGH).all()
+    present = stats.entries[:, 0] > 0
+    pooled = pooled_stats(stats, axis=0)
+    expected = (stats.task_error_low * stats.entries).sum(0) / stats.entries.sum(0)  # entries-weighted mean
+    np.testing.assert_allclose(pooled.task_error_low[present], np.broadcast_to(expected, (present.sum(), G)))
+    per_entry = pooled.distortion_low[present] / stats.entries[present]
+    np.testing.assert_allclose(per_entry, per_entry[:1].repeat(len(per_entry), 0))
+    one_role = _precision(stats, 0.2, ablation="one_role")
+    assert len(np.unique(one_role.priority[present & (one_role.action[:, 0] == RETAIN_LOW)])) == 1
+    stats.task_error_low[Role.USER_TEXT, 1] = 0.5  # groups differ; pooling over groups must hide it
+    one_group = _precision(stats, 0.2, ablation="one_group")
+    assert one_group.action[Role.USER_TEXT, 0] == one_group.action[Role.USER_TEXT, 1]
+
+
+def test_precision_compile_needs_low_statistics_and_valid_sizes():
+    with pytest.raises(PolicyError, match="lack task_error_low, task_error_strict_low, nll_delta_low, distortion_low"):
+        compile_tables(synthetic_calibration(), [0.2], CompileOptions(entry_bytes=BYTES))
+    for bad in ((256.0, 271.0, 53.0), (0.0, 53.0, 271.0), (256.0, 53.0)):
+        with pytest.raises(ValueError, match="entry_bytes"):
+            CompileOptions(entry_bytes=bad)
+    assert CompileOptions(entry_bytes=[256, 53, 271]) == CompileOptions(entry_bytes=BYTES)  # as policy.json gives it
+    table = _precision(low_calibration(), 0.2)
+    with pytest.raises(PolicyError, match="actions must be one of"):
+        dataclasses.replace(table, action=np.full((R, G), 3, np.int8)).validate(R, G)
+    with pytest.raises(PolicyError, match="action has shape"):
+        dataclasses.replace(table, action=table.action[:-1]).validate(R, G)
+
+
+def test_statistics_without_low_fields_load_and_round_trip():
+    text = SHIPPED_STATS.read_text()
+    old = CalibrationStats.from_json(text)
+    assert old.task_error_low is None and old.distortion_low is None and old.low_storage is None
+    assert old.to_json() == text  # no LOW keys written: the file keeps its bytes
+    stats = low_calibration()
+    again = CalibrationStats.from_json(stats.to_json())
+    assert again.low_storage == "kivi2"
+    for name in ("task_error_low", "task_error_strict_low", "nll_delta_low", "distortion_low"):
+        assert isinstance(getattr(again, name), np.ndarray) and getattr(again, name).dtype == np.float64, name
+        np.testing.assert_array_equal(getattr(again, name), getattr(stats, name), err_msg=name)
+
+
+def test_precision_policy_saves_as_v2_and_loads(tmp_path: Path):
+    policy = compile_policy(low_calibration(), [0.2, 0.33], fits=FITS, entry_bytes=BYTES)
+    policy.save(tmp_path / "p")
+    meta = json.loads((tmp_path / "p" / "policy.json").read_text())
+    assert meta["format"] == "pask-policy-v2" and meta["compile_options"]["entry_bytes"] == list(BYTES)
+    buckets = meta["tables"][0]["buckets"]
+    assert buckets["USER_TEXT"]["action"] == ["RETAIN_LOW"] * G
+    assert buckets["TOOL_NAME"]["action"] == ["RETAIN_HIGH"] * G
+    assert buckets["SCHEMA_PUNCT"]["action"] == ["RELEASE"] * G
+    loaded = PersistencePolicy.load(tmp_path / "p")  # the statistics reproduce the actions too
+    assert loaded.compile_options == policy.compile_options and loaded.stats.low_storage == "kivi2"
+    for ours, theirs in zip(loaded.tables, policy.tables, strict=True):
+        _same_table(ours, theirs)
+        np.testing.assert_array_equal(ours.action, theirs.action)
+    assert loaded.content_hash() == policy.content_hash()
+    _same_table(loaded.table(0.27), compile_policy(low_calibration(), [0.27], entry_bytes=BYTES).table(0.27))
+    assert loaded.table(0.27).action is not None  # compiled on load with the precision options
+    action = policy.tables[0].action.copy()
+    action[Role.DESCRIPTION, 0] = (action[Role.DESCRIPTION, 0] + 1) % 3  # another action, nothing else changed
+    changed = dataclasses.replace(policy, tables=(dataclasses.replace(policy.tables[0], action=action),))
+    assert changed.content_hash() != dataclasses.replace(policy, tables=policy.tables[:1]).content_hash()
+    changed.save(tmp_path / "changed")  # an action the statistics do not give, every other field theirs
+    with pytest.raises(PolicyError, match="do not reproduce the action of budget 0.2"):
+        PersistencePolicy.load(tmp_path / "changed")
+    # statistics that do not reproduce the actions, or cannot compile them, are refused
+    other = low_calibration()
+    other.task_error_low[Role.USER_TEXT] = 0.5
+    other.save(tmp_path / "p" / "stats.json")
+    with pytest.raises(PolicyError, match="do not reproduce the .* of budget 0.2.*remove it"):
+        PersistencePolicy.load(tmp_path / "p")
+    synthetic_calibration().save(tmp_path / "p" / "stats.json")
+    with pytest.raises(PolicyError, match="lack task_error_low.*remove it"):
+        PersistencePolicy.load(tmp_path / "p")
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_presence_policies_stay_v1(tmp_path: Path, name: str):
+    """Policies without actions still load, and saving one writes format v1, byte for byte (its hash unchanged)."""
+    shipped = PersistencePolicy.load(SHIPPED_POLICIES / name)  # _check_statistics passes on load
+    assert all(t.action is None for t in shipped.tables) and shipped.compile_options.entry_bytes is None
+    shipped.save(tmp_path / "p")
+    for file in ("policy.json", "stats.json"):
+        assert (tmp_path / "p" / file).read_bytes() == (SHIPPED_POLICIES / name / file).read_bytes(), file
+    again = PersistencePolicy.load(tmp_path / "p")
+    assert json.loads((tmp_path / "p" / "policy.json").read_text())["format"] == "pask-policy-v1"
+    assert again.content_hash() == shipped.content_hash() and again.tables[0].action is None
+
+
+def test_older_taxonomy_answers_actions_by_stand_ins():
+    shipped = PersistencePolicy.load(SHIPPED)  # roles pask-roles-v1: 19 rows
+    t = shipped.tables[0]
+    action = np.full(t.retain.shape, RETAIN_LOW, np.int8)
+    action[Role.USER_TEXT] = RETAIN_HIGH
+    older = dataclasses.replace(shipped, tables=(dataclasses.replace(t, action=action),), stats=None)
+    upgraded = older.table(t.budget)
+    assert upgraded.action.shape == (R, shipped.groups) and (upgraded.action[: len(action)] == action).all()
