@@ -19,8 +19,9 @@ never depend on data. Which slots are live is ragged per (layer, sequence, KV he
 
 Entries are stored in the format `storage.slots` says (`pask_jax.storage`): full precision, or per-token codes with
 their scales, quantized as they are written. With `storage.blocks`, the group also has a block pool
-(`pask_jax.block_pool`): low-precision entries a block at a time, entering at prefill (the oldest whole blocks of
-the kept prompt) or by `take_down` (the oldest slot entries going down, KIVI's window flush).
+(`pask_jax.block_pool`): low-precision entries a block at a time, entering at prefill (whole blocks of the kept
+prompt, the oldest or those the method ranks lowest first) or by `take_down` (the oldest or lowest-ranked slot
+entries going down, KIVI's window flush).
 
 Every array carries a leading layer axis Lg (the group's layers); `layer` arguments index it.
 
@@ -164,9 +165,12 @@ class GroupCache:
         count: jax.Array,  # i32[B, K] how many of `keep` are real (the rest is padding)
         scores: jax.Array | None = None,  # f32[B, K, P] the method's prefill scores
         tools: jax.Array | None = None,  # i32[B, P] the tool each prompt token describes (None: none)
+        down: jax.Array | None = None,  # f32[B, K, P] with a block pool: the order entries go down (None: oldest first)
+        high: jax.Array | None = None,  # i32[B, K] with a block pool: kept entries to leave in slots (None: 0)
     ) -> GroupCache:
         """Load the kept prompt entries of one layer (the cache must be empty): into slots 0..count-1, or with a
-        block pool the oldest whole blocks of them into blocks and the rest into slots."""
+        block pool whole blocks of them, lowest in `down` first, into blocks (all but `high` of them and a
+        remainder) and the rest into slots."""
         kept_k = jnp.take_along_axis(k.transpose(0, 2, 1, 3), keep[..., None], axis=2)  # [B, K, n, H]
         kept_v = jnp.take_along_axis(v.transpose(0, 2, 1, 3), keep[..., None], axis=2)
         kept_pos = jnp.take_along_axis(positions[:, None], keep, axis=2)  # [B, K, n]
@@ -178,7 +182,8 @@ class GroupCache:
         kept = [kept_k, kept_v, kept_pos, kept_role, kept_tool, kept_score]
         cache = self
         if self.blocks is not None:
-            cache, kept, count = self._fill_blocks(layer, kept, count)
+            order = kept_pos if down is None else jnp.take_along_axis(down, keep, axis=2)
+            cache, kept, count = self._fill_blocks(layer, kept, count, order, 0 if high is None else high)
         kept_k, kept_v, kept_pos, kept_role, kept_tool, kept_score = kept
         n = keep.shape[-1] if self.blocks is None else kept_pos.shape[-1]
         if n > self.capacity:
@@ -197,14 +202,15 @@ class GroupCache:
             length=self.length.at[layer].set(count),
         )
 
-    def _fill_blocks(self, layer: int, kept: list[jax.Array], count: jax.Array):
-        """The block pool's share of a fill: the kept entries (each [B, K, n, ...]) ordered oldest first, whole blocks
-        of them into blocks -> (the cache, the entries left for the slots, how many of them are real)."""
+    def _fill_blocks(self, layer: int, kept: list[jax.Array], count: jax.Array, order: jax.Array, high):
+        """The block pool's share of a fill: the kept entries (each [B, K, n, ...]) lowest in `order` (f[B, K, n])
+        first, whole blocks of all but `high` (i32[B, K]) of them into blocks -> (the cache, the entries left for the
+        slots, how many of them are real)."""
         n, block = kept[2].shape[-1], self.storage.block
-        oldest_first = jnp.argsort(jnp.where(jnp.arange(n) < count[..., None], kept[2], jnp.iinfo(jnp.int32).max))
-        kept = [_take(x, oldest_first) for x in kept]
+        down_first = jnp.argsort(jnp.where(jnp.arange(n) < count[..., None], order, jnp.inf))
+        kept = [_take(x, down_first) for x in kept]
         whole = min(n // block, self.blocks.blocks)  # blocks the static shapes can fill
-        blocks = jnp.minimum(count // block, whole)  # i32[B, K]
+        blocks = jnp.minimum(jnp.maximum(count - high, 0) // block, whole)  # i32[B, K]
         cache = self
         if whole:  # a prompt shorter than a block keeps it all in slots
             down = whole * block
@@ -270,20 +276,22 @@ class GroupCache:
             pos=_set_slots(self.pos, layer, jnp.where(do, slot, drop), jnp.full(slot.shape, -1, jnp.int32), self.axes),
         )
 
-    def take_down(self, layer: int, do: jax.Array) -> GroupCache:
-        """Move the `block` oldest live slot entries of each (sequence, head) in `do` (bool[B, K]) into a free block
-        of the block pool (keys re-quantized per channel over the block): KIVI's flush of its full-precision
-        window. Where fewer than `block` slots are live, or no block is free, nothing moves."""
+    def take_down(self, layer: int, do: jax.Array, order: jax.Array | None = None) -> GroupCache:
+        """Move the `block` live slot entries lowest in `order` (f32[B, K, C]; None: the going) of each (sequence,
+        head) in `do` (bool[B, K]) into a free block of the block pool (keys re-quantized per channel over the
+        block): KIVI's flush of its full-precision window. Where fewer than `block` slots are live, or no block is
+        free, nothing moves."""
         blocks, block = self.blocks, self.storage.block
         do = do & (self.length[layer] >= block) & (blocks.count[layer] < blocks.blocks)
         pos = self.pos[layer]  # [B, K, C]
-        oldest = jnp.argsort(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max), axis=-1)[..., :block]  # [B, K, T]
+        order = pos.astype(jnp.float32) if order is None else order
+        going = jnp.argsort(jnp.where(pos >= 0, order, jnp.inf), axis=-1)[..., :block]  # i32[B, K, T]
         k, v = self.slot_kv(layer)
-        picked = [jnp.take_along_axis(x, oldest[..., None], axis=2) for x in (k, v)]  # f[B, K, T, H]
-        picked_pos, picked_role = (jnp.take_along_axis(x[layer], oldest, axis=2) for x in (self.pos, self.role))
+        picked = [jnp.take_along_axis(x, going[..., None], axis=2) for x in (k, v)]  # f[B, K, T, H]
+        picked_pos, picked_role = (jnp.take_along_axis(x[layer], going, axis=2) for x in (self.pos, self.role))
         blocks = blocks.append(layer, *picked, picked_pos, picked_role.astype(jnp.int32), do)
         rows, heads = jnp.arange(pos.shape[0])[:, None, None], jnp.arange(pos.shape[1])[None, :, None]
-        freed = self.pos.at[layer, rows, heads, jnp.where(do[..., None], oldest, self.capacity)].set(-1, mode="drop")
+        freed = self.pos.at[layer, rows, heads, jnp.where(do[..., None], going, self.capacity)].set(-1, mode="drop")
         # the table keeps its live slots first, in the order they entered: a stable sort on "freed"
         table = self.table[layer]
         order = jnp.argsort(jnp.take_along_axis(freed[layer], table, axis=-1) < 0, axis=-1, stable=True)

@@ -90,6 +90,11 @@ class Storage:
         """Bytes one slot-pool entry (one token of one KV head) holds, metadata included."""
         return 2 * bytes_per_token(self.slots, head_dim) + SLOT_METADATA_BYTES
 
+    def action_bytes(self, head_dim: int) -> tuple[float, float, float]:
+        """(the reference, a block entry, a slot entry): the bytes per entry a precision-action policy is compiled
+        for, its LOW precision in the block pool and its HIGH in the slot pool (`CompileOptions.entry_bytes`)."""
+        return full_entry_bytes(head_dim), self.block_entry_bytes(head_dim), self.slot_entry_bytes(head_dim)
+
     def block_entry_bytes(self, head_dim: int) -> float:
         """Bytes one block-pool entry holds, its share of the block's scales, zeros and table entry included."""
         if self.blocks is None:

@@ -4,6 +4,7 @@ tests/models/test_sharding.py runs on device meshes."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import types
 from collections.abc import Callable
@@ -12,11 +13,13 @@ import numpy as np
 from flax import nnx
 
 from pask_jax.calibration.compiler import compile_policy
+from pask_jax.kernels.quantize import PRESETS
 from pask_jax.methods import KIVI, METHODS, DapQ, KVMethod, PaskKV, PyramidKV, SnapKV
 from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.rows import Generation
 from pask_jax.runtime.sampling import SamplingConfig
+from pask_jax.storage import Storage
 from pask_jax.structure.roles import TAXONOMY_VERSION, Role, num_roles
 
 QWEN_VOCAB = 151_936  # the Qwen2.5 checkpoints' embedding rows (the tokenizer's ids fit below it)
@@ -30,7 +33,8 @@ def tiny_model(architecture: str = "qwen3", seed: int = 0, **overrides) -> Decod
 
 def synthetic_stats(num_layers: int = 4, groups: int = 2) -> types.SimpleNamespace:
     """Calibration statistics by hand: USER_TEXT is fragile (any removal below 75% breaks the call), DESCRIPTION is
-    harmless and cheap to drop, TOOL_NAME breaks only when all of it goes and distorts the most."""
+    harmless and cheap to drop, TOOL_NAME breaks only when all of it goes and distorts the most. At LOW precision
+    (for precision actions) USER_TEXT still breaks the call, TOOL_NAME keeps it and most of its distortion goes."""
     r = num_roles()
     entries = np.zeros((r, groups))
     entries[[Role.TEMPLATE, Role.TOOL_NAME, Role.DESCRIPTION, Role.USER_TEXT, Role.SCHEMA_PUNCT]] = [
@@ -46,10 +50,18 @@ def synthetic_stats(num_layers: int = 4, groups: int = 2) -> types.SimpleNamespa
     distortion = np.full((r, groups), 0.01)
     distortion[Role.TOOL_NAME] = 0.5
     distortion[Role.DESCRIPTION] = 0.001
+    task_error_low = np.zeros((r, groups))
+    task_error_low[Role.USER_TEXT] = 0.1
     return types.SimpleNamespace(
         entries=entries,
         task_error=task_error,
         distortion_per_entry=distortion,
+        distortion=distortion * entries,
+        task_error_low=task_error_low,
+        task_error_strict_low=task_error_low,
+        nll_delta_low=task_error_low,
+        distortion_low=distortion * entries / 10,
+        low_storage="kivi2",
         levels=SYNTHETIC_LEVELS,
         model="tiny-qwen3",
         num_layers=num_layers,
@@ -68,6 +80,11 @@ ROLES = [[Role.SINK] + [Role.DESCRIPTION if i % 3 else Role.USER_TEXT for i in r
 BUDGET = 0.4  # every compressed invariant runs at this budget: one compiled plan per case besides budget 1
 BUDGETS = (0.3, 0.4, 0.5, 1.0)  # the synthetic policy's tables (tests/models/test_sharding.py runs PASK at 0.33)
 SYNTHETIC_POLICY = compile_policy(synthetic_stats(num_layers=4, groups=2), list(BUDGETS))
+LOW_GROUP = 8  # LOW blocks of 8 tokens fill on PROMPTS (32 would not)
+LOW_FORMATS = tuple(dataclasses.replace(fmt, group=LOW_GROUP) for fmt in PRESETS["kivi2"])
+ACTION_POLICY = compile_policy(  # precision actions for the matrix model (head_dim 16)
+    synthetic_stats(num_layers=4, groups=2), list(BUDGETS), entry_bytes=Storage(blocks=LOW_FORMATS).action_bytes(16)
+)
 
 # A case is a method instance built for the budget it runs at (PASK's policy tables are per budget), so variants of
 # one method (a small SnapKV window, DapQ's content choices, PASK with a synthetic policy or DapQ ranking) are cases.
@@ -87,6 +104,7 @@ CASES: dict[str, Callable[[float], KVMethod]] = {
     "pask_policy_dapq_rank_both_queries": lambda budget: PaskKV.from_policy(
         SYNTHETIC_POLICY, budget, rank="dapq", query="both"
     ),
+    "pask_actions": lambda budget: PaskKV.from_policy(ACTION_POLICY, budget, low_group=LOW_GROUP, high_window=8),
     "pask_policy_v1": lambda budget: PaskKV.from_policy(
         SYNTHETIC_POLICY, budget, rank="recency", system_as_request=False
     ),

@@ -12,6 +12,12 @@ query t loses the role-r keys it would see except the ceil(lam * n_t) most recen
 visible to it (prompt and earlier fed tokens alike) -- an online cache that ranks a bucket by recency and keeps a
 fraction lam of it. A query always sees itself. Role ``NO_ROLE`` removes nothing (the baseline; padding rows).
 
+A *low* variant (role r, group g) removes nothing: the role-r keys and values its fed queries see (all but the
+query's own) are read at the cache's LOW precision instead (`PassPlan.low`, KIVI-2 by default: keys per channel over
+blocks of 32 slots in position order, values per token), as a cache holding the bucket in its block pool would give
+them; the other keys stay exact. Attention then runs over the exact and the low keys side by side, each visible where
+the variant says.
+
 Axis letters: V variants, T fed queries (Tb), S keys (Pb + Tb), L layers, N query heads, K KV heads, H head dim,
 D model width, W packed mask words, Voc vocabulary.
 """
@@ -26,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pask_jax.attention import attention
+from pask_jax.kernels.quantize import PRESETS, KVFormat, dequantize, quantize
 from pask_jax.models.decoder import Decoder
 from pask_jax.runtime.sampling import unpack_mask
 
@@ -38,6 +45,7 @@ class PassPlan:
 
     graphdef: nnx.GraphDef
     groups: tuple[tuple[int, int], ...]  # layer ranges [start, stop) of the G layer groups
+    low: tuple[KVFormat, KVFormat] = PRESETS["kivi2"]  # (key, value) formats of the LOW precision low variants read
 
     def group_of(self, layer: int) -> int:
         return next(g for g, (start, stop) in enumerate(self.groups) if start <= layer < stop)
@@ -95,6 +103,20 @@ def prefill(model: Decoder, item: ItemArrays) -> tuple[jax.Array, jax.Array, jax
     return jnp.stack(ks), jnp.stack(vs), model.logits(hidden[:, item.prompt_len - 1][:, None])[0, 0]
 
 
+def low_precision(x: jax.Array, fmt: KVFormat, length: jax.Array) -> jax.Array:
+    """x f[..., S, K, H] (S slots, the first `length` valid) as a cache storing it at `fmt` reads it back: quantized
+    per KV head along the slots (a channel format over blocks of slots in order). Slots past `length` copy the last
+    valid one first, so padding never widens a block's range."""
+    s, h = x.shape[-3], x.shape[-1]
+    if fmt.axis == "token":
+        fmt = dataclasses.replace(fmt, group=min(fmt.group, h))
+    padded = -(-s // fmt.group) * fmt.group if fmt.axis == "channel" else s
+    index = jnp.minimum(jnp.arange(padded), jnp.maximum(length, 1) - 1)
+    per_head = jnp.moveaxis(jnp.take(x, index, axis=-3), -2, -3).astype(jnp.float32)  # [..., K, S', H]
+    restored = dequantize(quantize(per_head, fmt), fmt)[..., :s, :]
+    return jnp.moveaxis(restored, -3, -2).astype(x.dtype)
+
+
 def teacher_force(
     model: Decoder,
     plan: PassPlan,
@@ -104,18 +126,33 @@ def teacher_force(
     role: jax.Array,  # i32[V]
     group: jax.Array,  # i32[V]
     level: jax.Array,  # f32[V]
+    low: bool = False,  # the variants are low variants (their level 0 keys read at LOW precision, not removed)
 ) -> tuple[jax.Array, list[jax.Array]]:
     """Run the fed tokens for V variants -> logits f32[V, T, Voc], per-layer attention outputs [L] f[V, T, N, H]."""
     nv = role.shape[0]
     fed_pos, _, visible, _ = _layout(item)
-    removed = removal_mask(item, role, level)  # bool[V, T, S]
+    changed = removal_mask(item, role, level)  # bool[V, T, S]: removed, or read at LOW precision
     outs = []
 
     def attend(layer, q, k, v):  # q f[V, T, N, H], k / v f[V, T, K, H]
-        keys = jnp.concatenate([jnp.broadcast_to(prompt_k[layer], (nv, *prompt_k.shape[1:])), k], axis=1)
-        values = jnp.concatenate([jnp.broadcast_to(prompt_v[layer], (nv, *prompt_v.shape[1:])), v], axis=1)
+        def slots(prompt: jax.Array, fed: jax.Array) -> jax.Array:  # f[V, S, K, H]
+            return jnp.concatenate([jnp.broadcast_to(prompt, (nv, *prompt.shape)), fed], axis=1)
+
+        keys, values = slots(prompt_k[layer], k), slots(prompt_v[layer], v)
         in_group = (group == plan.group_of(layer))[:, None, None]  # bool[V, 1, 1]
-        out = attention(q, keys, values, visible[None] & ~(removed & in_group))
+        exact = visible[None] & ~(changed & in_group)
+        if not low:
+            out = attention(q, keys, values, exact)
+        else:
+            key_fmt, value_fmt = plan.low
+            low_keys = slots(
+                low_precision(prompt_k[layer], key_fmt, item.prompt_len), low_precision(k, key_fmt, item.fed_len)
+            )
+            low_values = slots(
+                low_precision(prompt_v[layer], value_fmt, item.prompt_len), low_precision(v, value_fmt, item.fed_len)
+            )
+            both = jnp.concatenate([exact, changed & in_group], axis=2)  # bool[V, T, 2S]
+            out = attention(q, jnp.concatenate([keys, low_keys], 1), jnp.concatenate([values, low_values], 1), both)
         outs.append(out)
         return out
 
@@ -190,7 +227,7 @@ def baseline_pass(plan: PassPlan, params: nnx.State, item: ItemArrays) -> dict[s
     }
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=(0, 7))
 def variant_pass(
     plan: PassPlan,
     params: nnx.State,
@@ -199,11 +236,12 @@ def variant_pass(
     role: jax.Array,  # i32[V]  (V sharded over the mesh's "data" axis)
     group: jax.Array,  # i32[V]
     level: jax.Array,  # f32[V]
+    low: bool = False,  # low variants (`teacher_force`)
 ) -> dict[str, jax.Array]:
     """V variants in one pass -> error / error_strict bool[V], nll f32[V], diff_sq f32[V, L] (squared L2 change of
     each layer's attention outputs over the fed queries)."""
     model = nnx.merge(plan.graphdef, params)
-    logits, outs = teacher_force(model, plan, item, base["prompt_k"], base["prompt_v"], role, group, level)
+    logits, outs = teacher_force(model, plan, item, base["prompt_k"], base["prompt_v"], role, group, level, low)
     fed_valid = jnp.arange(item.fed.shape[0]) < item.fed_len
     return target_stats(item, base["first_logits"], logits) | {"diff_sq": _sq_norms(outs, fed_valid, base["outs"])}
 

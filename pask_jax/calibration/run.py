@@ -45,9 +45,10 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from pask_jax.calibration.passes import NO_ROLE, ItemArrays, PassPlan, baseline_pass, removed_entries, variant_pass
+from pask_jax.kernels.quantize import PRESETS
 from pask_jax.layers import layer_groups
 from pask_jax.models.decoder import Decoder
-from pask_jax.policy_compiler import STATS_ARRAYS, CalibrationStats
+from pask_jax.policy_compiler import LOW_STATS_ARRAYS, STATS_ARRAYS, CalibrationStats
 from pask_jax.requests import PreparedRequest
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.sampling import SamplingConfig
@@ -163,7 +164,8 @@ def _get(tree):
 
 
 def _calibrate_item(plan: PassPlan, params, ex: Example, levels, batch: int, mesh: Mesh, sums: dict) -> None:
-    """Run one example's passes and add its contributions to `sums` (in place)."""
+    """Run one example's passes and add its contributions to `sums` (in place); with LOW statistics in `sums`, the
+    low variants of every present bucket too."""
     r_all, n_lv = num_roles(), len(levels)
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     arrays = _put(item_arrays(ex), replicated)
@@ -174,22 +176,35 @@ def _calibrate_item(plan: PassPlan, params, ex: Example, levels, batch: int, mes
     grid_r, grid_l = np.repeat(np.arange(r_all), n_lv), np.tile(np.asarray(levels, np.float32), r_all)
     removed = _get(removed_entries(arrays, _put(grid_r.astype(np.int32), replicated), _put(grid_l, replicated)))
     removed = removed.reshape(r_all, n_lv)
-    todo = [(r, g, li) for r, li in zip(*np.nonzero(removed), strict=True) for g in range(len(plan.groups))]
     feed = {k: base[k] for k in ("prompt_k", "prompt_v", "first_logits", "outs")}
-    for start in range(0, len(todo), batch):
-        chunk = todo[start : start + batch]
-        spec = np.array(chunk + [(NO_ROLE, 0, 0)] * (batch - len(chunk)))  # padding rows remove nothing
-        role, group, level = spec[:, 0].astype(np.int32), spec[:, 1].astype(np.int32), np.asarray(levels)[spec[:, 2]]
-        out = _get(variant_pass(plan, params, arrays, feed, *(_put(a, rows) for a in (role, group, level))))
-        for i, (r, g, li) in enumerate(chunk):
-            sums["task_error"][r, g, li] += float(out["error"][i]) - float(b["error"])
-            sums["task_error_strict"][r, g, li] += float(out["error_strict"][i]) - float(b["error_strict"])
-            sums["nll_delta"][r, g, li] += float(out["nll"][i]) - float(b["nll"])
-            if levels[li] == 0.0:
+    whole = levels.index(0.0)
+
+    def run(todo: list[tuple[int, int, int]], low: bool):  # (role, group, level index) -> per variant outputs
+        for start in range(0, len(todo), batch):
+            chunk = todo[start : start + batch]
+            spec = np.array(chunk + [(NO_ROLE, 0, 0)] * (batch - len(chunk)))  # padding rows change nothing
+            role, group = spec[:, 0].astype(np.int32), spec[:, 1].astype(np.int32)
+            level = np.asarray(levels, np.float32)[spec[:, 2]]
+            out = _get(variant_pass(plan, params, arrays, feed, *(_put(a, rows) for a in (role, group, level)), low))
+            for i, (r, g, li) in enumerate(chunk):
                 a, z = plan.groups[g]
-                d = math.sqrt(out["diff_sq"][i, a:z].sum() / max(b["out_sq"][a:z].sum(), 1e-30))
-                sums["distortion"][r, g] += d
-                sums["distortion_per_entry"][r, g] += d / removed[r, li]
+                distortion = math.sqrt(out["diff_sq"][i, a:z].sum() / max(b["out_sq"][a:z].sum(), 1e-30))
+                changes = [float(out[k][i]) - float(b[k]) for k in ("error", "error_strict", "nll")]
+                yield r, g, li, changes, distortion
+
+    todo = [(r, g, li) for r, li in zip(*np.nonzero(removed), strict=True) for g in range(len(plan.groups))]
+    for r, g, li, changes, d in run(todo, low=False):
+        for name, change in zip(("task_error", "task_error_strict", "nll_delta"), changes, strict=True):
+            sums[name][r, g, li] += change
+        if li == whole:
+            sums["distortion"][r, g] += d
+            sums["distortion_per_entry"][r, g] += d / removed[r, li]
+    if "distortion_low" in sums:
+        present = [(r, g, whole) for r in np.nonzero(removed[:, whole])[0] for g in range(len(plan.groups))]
+        for r, g, _, changes, d in run(present, low=True):
+            for name, change in zip(LOW_STATS_ARRAYS[:3], changes, strict=True):
+                sums[name][r, g] += change
+            sums["distortion_low"][r, g] += d
     sums["entries"] += entries[:, None]
     sums["present"] += (entries > 0)[:, None]
     sums["baseline"] += [float(b["error"]), float(b["error_strict"]), float(b["nll"]), 1.0]
@@ -230,29 +245,37 @@ def calibrate_examples(
     progress: bool = True,
     target: str = "canonical",  # what the examples' gold is (recorded in the statistics and the checkpoint)
     data: str | None = None,  # a digest of the data the examples come from (a checkpoint for other data is refused)
+    low_storage: str | None = None,  # also measure every bucket stored at this LOW precision ("kivi2", "kivi4")
 ) -> CalibrationStats:
     """The calibration loop over prepared examples (`calibrate_requests` builds them from chat-completions requests),
     with a progress bar (ETA) on the first process."""
     if 0.0 not in levels:
         raise ValueError(f"levels={levels} must include 0.0 (bucket removed: distortion is measured there)")
+    if low_storage is not None and (low_storage not in PRESETS or PRESETS[low_storage][0].axis != "channel"):
+        lows = [name for name, (key, _) in PRESETS.items() if key.axis == "channel"]
+        raise ValueError(f"low_storage={low_storage!r}: a LOW precision is a block format, one of {lows}")
     cfg, levels = model.config, tuple(float(x) for x in levels)
     graphdef, params = nnx.split(model)
-    plan = PassPlan(graphdef, layer_groups(cfg.num_layers, groups))
+    plan = PassPlan(graphdef, layer_groups(cfg.num_layers, groups), *([PRESETS[low_storage]] if low_storage else []))
     mesh = Mesh(np.asarray(jax.devices()), ("data",))
     params = _put(params, NamedSharding(mesh, P()))
     batch = -(-batch // mesh.size) * mesh.size
-    config = dict(
-        model=cfg.name,
-        num_layers=cfg.num_layers,
-        groups=groups,
-        levels=list(levels),
-        taxonomy=TAXONOMY_VERSION,
-        target=target,
-    ) | ({} if data is None else {"data": data})
+    config = (
+        dict(
+            model=cfg.name,
+            num_layers=cfg.num_layers,
+            groups=groups,
+            levels=list(levels),
+            taxonomy=TAXONOMY_VERSION,
+            target=target,
+        )
+        | ({} if data is None else {"data": data})
+        | ({} if low_storage is None else {"low_storage": low_storage})
+    )
     shape = (num_roles(), groups)
     sums = {
         k: np.zeros(shape + ((len(levels),) if k.startswith(("task", "nll")) else ()), np.float64) for k in STATS_ARRAYS
-    }
+    } | {k: np.zeros(shape, np.float64) for k in (LOW_STATS_ARRAYS if low_storage else ())}
     state = {"config": config, "done": [], "skipped": {}, "wall_s": 0.0, "sums": sums | {"baseline": np.zeros(4)}}
     save = _checkpoint(checkpoint_dir, config, state)
     examples = list(examples)
@@ -292,7 +315,8 @@ def calibrate_examples(
     sums = state["sums"]
     n = max(sums["baseline"][3], 1.0)
     present = np.maximum(sums["present"], 1)
-    means = {k: sums[k] / (present[..., None] if sums[k].ndim == 3 else present) for k in STATS_ARRAYS[:5]}
+    measured = [*STATS_ARRAYS[:5], *(LOW_STATS_ARRAYS if low_storage else ())]
+    means = {k: sums[k] / (present[..., None] if sums[k].ndim == 3 else present) for k in measured}
     return CalibrationStats(
         **means,
         entries=sums["entries"] / n,

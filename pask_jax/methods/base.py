@@ -16,6 +16,10 @@ A method is a small object whose hooks run inside the engine's jitted prefill an
   `eviction_priority`: when a step's new token pushes a (layer, sequence, head) over its cap, the live entry with the
   lowest priority leaves; `release_unchosen_tools` may then lower the entries of the offered tools the call being
   written does not call (the parser names the called tool once the function name is written).
+- With a block pool (`storage`: KIVI, PASK with precision actions), `prefill_high` (prompt entries that stay at full
+  precision in the slot pool at prefill), `down_priority` (which slot entries go down to the block pool first),
+  `release_line` (slot entries ranked below it leave before anything goes down) and `block_entry_priority` (what a
+  block's entries are worth, a block leaving whole).
 """
 
 from __future__ import annotations
@@ -112,6 +116,35 @@ class KVMethod:
         prompt_len: jax.Array,  # i32[B]
     ) -> jax.Array:  # f32[B, K, C]: the lowest live entry leaves
         return scores
+
+    def down_priority(
+        self,
+        layer: int,
+        scores: jax.Array,  # f32[B, K, C] (at prefill: the kept prompt entries' prefill scores)
+        pos: jax.Array,  # i32[B, K, C] (-1: free)
+        role: jax.Array,  # i32[B, K, C]
+        position: jax.Array,  # i32[B] the position being written
+        prompt_len: jax.Array,  # i32[B]
+    ) -> jax.Array:  # f32[B, K, C]: the lowest slot entries go down to the block pool first
+        """With a block pool, the order in which slot entries go down a block at a time. Default: the oldest first
+        (KIVI's full-precision window of the newest tokens)."""
+        return pos.astype(jnp.float32)
+
+    def prefill_high(self, layer: int, scores: jax.Array, valid: jax.Array) -> jax.Array | None:
+        """i32[B, K]: of the prompt entries (scores f32[B, K, T], valid bool[B, T]), how many the method wants at full
+        precision in the slot pool after prefill (the window permitting), the rest going into whole blocks. Default
+        None: as many whole blocks as the bytes allow, the remainder staying in slots (KIVI)."""
+        return None
+
+    def release_line(self, layer: int) -> float:
+        """Slot entries whose eviction priority is below this leave the cache before any entry goes down to the block
+        pool (a released bucket); default none."""
+        return -math.inf
+
+    def block_entry_priority(self, layer, pos, role, position, prompt_len) -> jax.Array:
+        """f32[B, K, N]: the eviction priority of block-pool entries (i32 pos, role [B, K, N]), which keep no score.
+        Default: `eviction_priority` with zero scores."""
+        return self.eviction_priority(layer, jnp.zeros(pos.shape, jnp.float32), pos, role, position, prompt_len)
 
     def release_unchosen_tools(
         self,

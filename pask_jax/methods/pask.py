@@ -44,6 +44,16 @@ Hyper-parameters:
   the running cap takes them before the request or the called tool's schema; when the next parallel call starts,
   nothing is released until its name is read. Structure only the parser knows: no attention statistic gives it.
 Without a policy (`PaskKV()`), every bucket is equal: the order alone decides, with sinks.
+
+Precision actions. A policy compiled with them (`PolicyTable.action`) gives each bucket RELEASE, RETAIN_LOW or
+RETAIN_HIGH, and the cache gets two precisions (`storage`): a slot pool at full precision (HIGH, at most
+`high_window` entries and a block) and a block pool at `low_storage` (LOW: KIVI's 2-bit blocks, keys per channel).
+Tiers then follow the actions: 0 RELEASE (floor-protected entries 1), 1 RETAIN_LOW, 2 RETAIN_HIGH prompt entries,
+3 RETAIN_HIGH generated entries (generated RETAIN_LOW ones 1, RELEASE ones released as above). At prefill the prompt
+entries of tier >= 2 stay in slots (the window and the bytes permitting), the rest go down into blocks, lowest first;
+at each step the running byte cap first lets a tier-0 entry go, then takes the lowest slot entries down a block
+(also when the slots are full), then releases the lowest entry or block. So the call being written and the
+structure the call needs stay at full precision, the rest at 2 bits, and what the policy releases leaves first.
 """
 
 from __future__ import annotations
@@ -55,11 +65,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pask_jax.kernels.quantize import PRESETS
 from pask_jax.layers import layer_groups
 from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
 from pask_jax.methods.dapq import DapQ
 from pask_jax.methods.snapkv import SnapKV
 from pask_jax.policy import PersistencePolicy
+from pask_jax.policy_compiler import RELEASE
+from pask_jax.storage import Storage
 from pask_jax.structure.roles import NO_TOOL, Role, num_roles
 
 POSITION_RANGE = 2**16
@@ -70,6 +83,8 @@ POOLINGS = ("none", "max", "avg")
 FLOOR_ORDERS = ("recency", "query")
 QUERIES = ("pseudo", "window", "both")
 GRANULARITIES = ("entry", "tool")
+GENERATED_TIER = (0, 1, 3)  # a generated entry's tier by its bucket's action (RELEASE, RETAIN_LOW, RETAIN_HIGH)
+HIGH_TIER = 2  # prompt entries of this tier and above stay at full precision at prefill
 
 Table = tuple[tuple[float, ...], ...]  # [R][G]
 
@@ -93,6 +108,10 @@ class PaskKV(KVMethod):
     granularity: str = "entry"  # or "tool"
     system_as_request: bool = True
     schema_release: bool = False
+    action: tuple[tuple[int, ...], ...] = ()  # [R][G] RELEASE / RETAIN_LOW / RETAIN_HIGH; empty: presence only
+    high_window: int = 128  # with actions: full-precision slot entries at most (and one block going down)
+    low_storage: str = "kivi2"  # with actions: the block pool's format (LOW)
+    low_group: int = 32  # with actions: tokens per LOW block (its keys' channel groups; channels per value group)
 
     def __post_init__(self) -> None:
         if self.rank not in RANKS:
@@ -109,6 +128,11 @@ class PaskKV(KVMethod):
             raise ValueError('PASK granularity="tool" needs a query-aware rank ("dapq" or "dapq_tier"), not "recency"')
         if self.floor_order == "query" and self.rank == "recency":
             raise ValueError('PASK floor_order="query" needs a query-aware rank ("dapq" or "dapq_tier"), not "recency"')
+        if self.low_storage not in PRESETS or PRESETS[self.low_storage][0].axis != "channel":
+            lows = [name for name, (key, _) in PRESETS.items() if key.axis == "channel"]
+            raise ValueError(f"PASK low_storage must be a block format, one of {lows}, not {self.low_storage!r}")
+        if self.high_window < 1 or self.low_group < 1:
+            raise ValueError(f"PASK needs high_window, low_group >= 1, got {self.high_window}, {self.low_group}")
 
     @classmethod
     def from_policy(cls, policy: PersistencePolicy, budget: float, **overrides) -> PaskKV:
@@ -122,8 +146,21 @@ class PaskKV(KVMethod):
             layer_group=tuple(g for g, (a, b) in enumerate(groups) for _ in range(a, b)),
             budget=t.budget,
             release_window=policy.release_window,
+            action=() if t.action is None else tuple(map(tuple, t.action.tolist())),
             **overrides,
         )
+
+    def storage(self, budget: float, head_dim: int) -> Storage | None:
+        """With actions: full-precision slots (HIGH) and a block pool at `low_storage` (LOW)."""
+        if not self.action:
+            return None
+        key, value = PRESETS[self.low_storage]
+        key = dataclasses.replace(key, group=self.low_group)
+        value = dataclasses.replace(value, group=min(self.low_group, head_dim))
+        return Storage(blocks=(key, value), window=self.high_window)
+
+    def _actions(self, layer: int) -> jax.Array:  # i32[R]
+        return jnp.asarray(self.action, jnp.int32)[:, self.layer_group[layer]]
 
     def _bucket_tables(self, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """This layer's group column of the tables: floor f32[R], priority f32[R], retain bool[R]."""
@@ -162,7 +199,11 @@ class PaskKV(KVMethod):
         if order is None:  # the most recent first: the same for every KV head, so sorted once
             order = ctx.positions[:, None].astype(jnp.float32)  # f32[B, 1, T]
         protected = floor_protected(roles, ctx.valid, order, floor)  # bool[B, K or 1, T]
-        score = self._score(priority, roles[:, None], 1 * protected, ctx.positions[:, None])
+        tier = 1 * protected
+        if self.action:  # RELEASE: 0, or 1 while floor-protected; RETAIN_LOW 1; RETAIN_HIGH 2
+            action = self._actions(layer)[roles][:, None]  # i32[B, 1, T]
+            tier = jnp.where(action == RELEASE, tier, action)
+        score = self._score(priority, roles[:, None], tier, ctx.positions[:, None])
         score = jnp.where((ctx.positions < self.sinks)[:, None], PROTECTED, score)
         return jnp.broadcast_to(score, (b, ctx.kv_heads, t)).astype(jnp.float32)
 
@@ -211,10 +252,39 @@ class PaskKV(KVMethod):
             ranked.append(jnp.where(score >= PROTECTED, score, level * POSITION_RANGE + order))
         return ranked
 
+    def _generated_tier(self, layer: int, role: jax.Array) -> jax.Array:
+        """A generated entry's tier (any shape of roles): 2 if retained (3 for RETAIN_HIGH with actions), else 0."""
+        if self.action:
+            return jnp.asarray(GENERATED_TIER)[self._actions(layer)[role]]
+        return 2 * self._bucket_tables(layer)[2][role]
+
     def new_token_score(self, layer: int, position: jax.Array, role: jax.Array, kv_heads: int) -> jax.Array:
-        _, priority, retain = self._bucket_tables(layer)
-        score = self._score(priority, role, 2 * retain[role], position).astype(jnp.float32)
+        _, priority, _ = self._bucket_tables(layer)
+        score = self._score(priority, role, self._generated_tier(layer, role), position).astype(jnp.float32)
         return jnp.broadcast_to(score[:, None], (score.shape[0], kv_heads))
+
+    def prefill_high(self, layer: int, scores: jax.Array, valid: jax.Array) -> jax.Array | None:
+        if not self.action:
+            return None
+        return jnp.sum(valid[:, None] & (scores >= HIGH_TIER * TIER * POSITION_RANGE), axis=-1, dtype=jnp.int32)
+
+    def down_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
+        if not self.action:
+            return super().down_priority(layer, scores, pos, role, position, prompt_len)
+        return self.eviction_priority(layer, scores, pos, role, position, prompt_len)  # tiers: LOW before HIGH
+
+    def release_line(self, layer: int) -> float:
+        return TIER * POSITION_RANGE if self.action else super().release_line(layer)  # tier 0 leaves first
+
+    def block_entry_priority(self, layer, pos, role, position, prompt_len) -> jax.Array:
+        if not self.action:
+            return super().block_entry_priority(layer, pos, role, position, prompt_len)
+        action = self._actions(layer)[role]
+        generated = pos >= prompt_len[:, None, None]
+        tier = jnp.where(generated, self._generated_tier(layer, role), jnp.where(action == RELEASE, 0, action))
+        score = self._score(self._bucket_tables(layer)[1], role, tier, pos)
+        score = jnp.where(pos < self.sinks, PROTECTED, score)
+        return self.eviction_priority(layer, score, pos, role, position, prompt_len)
 
     def eviction_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
         _, _, retain = self._bucket_tables(layer)

@@ -77,19 +77,32 @@ class ByteBudget:
             return whole
         return min(whole, math.floor(allowance * self.full_bytes / self.block_bytes)) + 1
 
-    def prefill_count(self, allowance: jax.Array, available: jax.Array) -> jax.Array:
+    def prefill_count(self, allowance: jax.Array, available: jax.Array, high: jax.Array | None = None) -> jax.Array:
         """Entries (i32, any shape) a layer keeps of `available` prompt entries under an allowance of `allowance`
-        reference entries: with a block pool, the most whose whole blocks plus a slot remainder fit the bytes."""
+        reference entries. With a block pool: the most whose whole blocks plus a slot remainder fit the bytes; or,
+        given `high` (entries wanted at full precision, at most the window), those in slots and whole blocks after."""
         if not self.capped:
             return available
         if self.storage.blocks is None:
             return jnp.minimum(jnp.floor(self.slot_entries(allowance)).astype(jnp.int32), available)
         block, limit = self.storage.block, allowance * self.full_bytes
+        if high is not None:
+            slots = self.prefill_slots(allowance, available, high)
+            blocks = jnp.floor((limit - slots * self.slot_bytes) / self.block_bytes).astype(jnp.int32)
+            return slots + jnp.minimum(blocks, (available - slots) // block) * block
         if_all = self.held(available % block, available // block) <= limit
         blocks = jnp.minimum(jnp.floor(limit / self.block_bytes).astype(jnp.int32), available // block)
         spare = jnp.floor((limit - blocks * self.block_bytes) / self.slot_bytes).astype(jnp.int32)
         rest = jnp.minimum(jnp.minimum(spare, block - 1), available - blocks * block)
         return jnp.where(if_all, available, blocks * block + rest)
+
+    def prefill_slots(self, allowance: jax.Array, available: jax.Array, high: jax.Array) -> jax.Array:
+        """i32: of `high` prompt entries wanted at full precision, those the slot pool holds after prefill: at most
+        the window, the entries there are and (capped) what the bytes pay for."""
+        slots = jnp.minimum(jnp.minimum(high, self.storage.window), available)
+        if not self.capped:
+            return slots
+        return jnp.minimum(slots, jnp.floor(allowance * self.full_bytes / self.slot_bytes).astype(jnp.int32))
 
     def slot_cap(self, allowance: jax.Array) -> jax.Array:
         """i32: slot entries a slot-only layer may hold under an allowance of `allowance` reference entries."""
@@ -109,9 +122,8 @@ def block_priority(
     so it goes only once its best entry is the least valuable left; one holding a PROTECTED entry, such as an
     attention sink, only when nothing else is left); free blocks never leave."""
     b, kv_heads, nb, t = pos.shape
-    flat = method.eviction_priority(
+    flat = method.block_entry_priority(
         layer,
-        jnp.zeros((b, kv_heads, nb * t), jnp.float32),
         pos.reshape(b, kv_heads, nb * t),
         role.reshape(b, kv_heads, nb * t).astype(jnp.int32),
         position,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -149,12 +150,29 @@ class StepPlan:
             g, li = self._layer_slot(layer)
             slots, blocks = pool_sizes(capacities[g])
             n_keep = min(t, slots + blocks * self.storage.block)
-            quota = jnp.maximum(self.bytes.prefill_count(self.allowance(layer, ctx.lengths), ctx.lengths), 1)  # i32[B]
+            down = high = None
+            if self.storage.blocks is not None:  # which kept entries stay at full precision
+                high = self.method.prefill_high(layer, scores[layer], ctx.valid)  # i32[B, K] or None
+                shape = scores[layer].shape  # (B, K, T)
+                down = self.method.down_priority(
+                    layer,
+                    scores[layer],
+                    jnp.broadcast_to(ctx.positions[:, None], shape),
+                    jnp.broadcast_to(ctx.roles[:, None], shape),
+                    ctx.lengths,
+                    ctx.lengths,
+                )
+            allowance, available = self.allowance(layer, ctx.lengths)[:, None], ctx.lengths[:, None]  # [B, 1]
+            quota = jnp.maximum(self.bytes.prefill_count(allowance, available, high), 1)  # i32[B, K or 1]
+            if high is not None:
+                high = self.bytes.prefill_slots(allowance, available, high)  # what the slots hold of them
             ranked = jnp.where(ctx.valid[:, None], scores[layer], -jnp.inf)  # padding never kept
             best = per_row_shards(lambda r, n=n_keep: jax.lax.top_k(r, n)[1].astype(jnp.int32), caches[g].axes)
             keep = best(ranked)  # [B, K, n_keep], best first (on a mesh: each device ranks its own rows)
-            count = jnp.broadcast_to(jnp.minimum(quota, n_keep)[:, None], keep.shape[:2])
-            filled = caches[g].fill(li, k, v, ctx.positions, ctx.roles, keep, count, scores[layer], ctx.tools)
+            count = jnp.broadcast_to(jnp.minimum(quota, n_keep), keep.shape[:2])
+            filled = caches[g].fill(
+                li, k, v, ctx.positions, ctx.roles, keep, count, scores[layer], ctx.tools, down, high
+            )
             caches[g] = filled.constrain()
         return caches, self.kept(caches)
 
@@ -202,8 +220,10 @@ class StepPlan:
 
     def keep_cap(self, layer: int, cache: GroupCache, li: int, step: StepInput) -> GroupCache:
         """After this step's token: hold at most the allowance at full length P + t + 1 (`runtime.budget`), by
-        evicting the live entry the method ranks lowest -- with a block pool, after taking the oldest slot entries
-        down a block (when the window is full, or the bytes are over), and a whole block when it ranks lowest."""
+        evicting the live entry the method ranks lowest -- with a block pool, after letting an entry below the
+        method's release line go and taking the slot entries it ranks lowest for going down (`down_priority`: the
+        oldest by default) down a block (when the window is full, or the bytes are over); a whole block leaves when
+        it ranks lowest."""
         method, budget, positions = self.method, self.bytes, step.positions
         allowance = self.allowance(layer, positions + 1)[:, None]  # f[B, 1]: reference entries
         priority = method.eviction_priority(
@@ -218,8 +238,16 @@ class StepPlan:
             return cache.evict(li, lowest, cache.length[li] > budget.slot_cap(allowance))
         limit = allowance * budget.full_bytes if budget.capped else jnp.inf
         over = budget.held(cache.length[li], cache.blocks.count[li]) > limit  # bool[B, K]
+        if method.release_line(layer) > -math.inf:  # a released entry leaves before anything goes down
+            released = jnp.min(priority, axis=-1) < method.release_line(layer)
+            cache = cache.evict(li, lowest, over & released)
+            priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)
+            over = budget.held(cache.length[li], cache.blocks.count[li]) > limit
         window_full = cache.length[li] >= self.storage.window + self.storage.block
-        cache = cache.take_down(li, window_full | over)
+        down = method.down_priority(
+            layer, cache.score[li], cache.pos[li], cache.role[li].astype(jnp.int32), positions, step.prompt_lengths
+        )
+        cache = cache.take_down(li, window_full | over, down)
         over = budget.held(cache.length[li], cache.blocks.count[li]) > limit
         priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)  # the entries taken down are no candidates
         blocks = cache.blocks

@@ -3,6 +3,7 @@ fake CPU devices, resume after interruption, and one small end-to-end run on rea
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -21,6 +22,7 @@ from pask_jax.calibration.passes import (
     NO_ROLE,
     PassPlan,
     baseline_pass,
+    low_precision,
     prefill,
     removal_mask,
     removed_entries,
@@ -29,6 +31,7 @@ from pask_jax.calibration.passes import (
     variant_pass,
 )
 from pask_jax.calibration.run import CalibrationStats, Example, calibrate_examples, item_arrays, pack_bits
+from pask_jax.kernels.quantize import PRESETS, KVFormat, dequantize, quantize
 from pask_jax.layers import layer_groups
 from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.structure.roles import GENERATED_ROLES, PROMPT_ROLES, Role, num_roles
@@ -96,17 +99,19 @@ def unpack(bits: np.ndarray, vocab: int) -> np.ndarray:
     return ((bits.view(np.uint32)[:, ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
 
 
-def _plan(model: Decoder) -> PassPlan:
-    return PassPlan(nnx.graphdef(model), layer_groups(LAYERS, GROUPS))
+def _plan(model: Decoder, **kw) -> PassPlan:
+    return PassPlan(nnx.graphdef(model), layer_groups(LAYERS, GROUPS), **kw)
 
 
-def _force(model, ex, rows):
+def _force(model, ex, rows, low: bool = False, formats=None):
     spec = np.array(rows, np.float64)  # [(role, group, level)]
     role, group, level = spec[:, 0].astype(np.int32), spec[:, 1].astype(np.int32), spec[:, 2].astype(np.float32)
 
     def run(model, arrays, role, group, level):
         k, v, first = prefill(model, arrays)
-        return first, *teacher_force(model, _plan(model), arrays, k, v, role, group, level)
+        return first, *teacher_force(
+            model, _plan(model, **({} if formats is None else {"low": formats})), arrays, k, v, role, group, level, low
+        )
 
     first, logits, outs = jitted(model, run, item_arrays(ex), role, group, level)
     return first, np.asarray(logits), [np.asarray(o) for o in outs]
@@ -202,6 +207,40 @@ def test_removal_changes_only_its_group_and_later():
     for layer in range(start):
         np.testing.assert_allclose(outs[layer][1, :t], outs[layer][0, :t], atol=1e-6)
     assert np.abs(outs[start][1, :t] - outs[start][0, :t]).max() > 1e-4
+
+
+def test_low_precision_reads_codes_and_ignores_padding():
+    x = jax.random.normal(jax.random.key(0), (40, 2, 16)).at[:, :, 3].mul(20.0)  # f32[S, K, H], an outlier channel
+    key_fmt, value_fmt = PRESETS["kivi2"]
+    low = np.asarray(low_precision(x, key_fmt, jnp.int32(32)))
+    per_head = jnp.moveaxis(x[:32], 1, 0)  # the 32 valid slots are one channel block per head
+    expected = np.moveaxis(np.asarray(dequantize(quantize(per_head, key_fmt), key_fmt)), 0, 1)
+    np.testing.assert_allclose(low[:32], expected, atol=1e-6)  # the padding slots never entered the block
+    assert np.abs(low[:32] - np.asarray(x[:32])).max() > 1e-3  # 2 bits lose something
+    np.testing.assert_allclose(
+        low_precision(x, value_fmt, jnp.int32(40))[5], quantize_token(x[5], value_fmt), atol=1e-6
+    )
+
+
+def quantize_token(x: jax.Array, fmt) -> np.ndarray:  # f[K, H]: each KV head's token on its own
+    fmt = dataclasses.replace(fmt, group=x.shape[-1])
+    return np.asarray(dequantize(quantize(x[:, None], fmt), fmt))[:, 0]
+
+
+def test_low_variant_reads_the_bucket_at_low_precision():
+    model, ex = tiny_model(), synthetic_example(5)
+    role, t = int(PROMPT_ROLES[1]), len(ex.gold) - 1
+    rows = [(NO_ROLE, 0, 0.0), (role, 1, 0.0)]
+    _, removed, _ = _force(model, ex, rows)
+    _, kivi2, outs = _force(model, ex, rows, low=True)
+    _, fine, _ = _force(model, ex, rows, low=True, formats=(KVFormat(8, "int", "channel", 32), PRESETS["int8"][1]))
+    np.testing.assert_allclose(kivi2[0, :t], removed[0, :t], atol=1e-5)  # a variant of no role changes nothing
+    start = layer_groups(LAYERS, GROUPS)[1][0]
+    for layer in range(start):  # only its group's layers read the bucket at LOW precision
+        np.testing.assert_allclose(outs[layer][1, :t], outs[layer][0, :t], atol=1e-6)
+    change = lambda logits: np.abs(logits[1, :t] - logits[0, :t]).max()  # noqa: E731
+    assert 1e-4 < change(kivi2) < change(removed)  # 2 bits change less than removing the bucket
+    assert change(fine) < change(kivi2) / 4  # and 8 bits less still: the variant reads the codes it is given
 
 
 def test_variant_pass_statistics():

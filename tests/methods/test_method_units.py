@@ -458,3 +458,34 @@ def test_pask_floor_order_query_protects_what_the_query_attends_to():
         PaskKV(rank="recency", floor_order="query")
     with pytest.raises(ValueError, match="floor_order"):
         PaskKV(floor_order="oldest")
+
+
+def test_pask_actions_hold_high_buckets_in_slots_low_in_blocks_and_release_first():
+    """A hand action table (USER_TEXT RETAIN_HIGH, DESCRIPTION RELEASE, the rest RETAIN_LOW) at b = 0.4: prefill keeps
+    every USER_TEXT entry, the sink and the newest USER_TEXT entries in the full-precision slots (the window of 8),
+    the other kept entries in 2-bit blocks, and lets DESCRIPTION go before anything else."""
+    from support import BUCKETS, LOW_GROUP, PROMPTS, ROLES, matrix_model
+
+    from pask_jax.policy_compiler import RELEASE, RETAIN_HIGH, RETAIN_LOW
+
+    action = [[RETAIN_LOW] * 2 for _ in range(num_roles())]
+    action[Role.USER_TEXT], action[Role.DESCRIPTION] = [RETAIN_HIGH] * 2, [RELEASE] * 2
+    method = PaskKV(  # ranked by recency inside a tier, so which USER_TEXT entries stay in slots is known
+        action=tuple(map(tuple, action)), layer_group=(0, 0, 1, 1), high_window=8, low_group=LOW_GROUP, rank="recency"
+    )
+    engine = Engine(matrix_model(), method=method, budget=0.4, num_groups=2, length_buckets=BUCKETS)
+    assert engine.storage.window == 8 and engine.storage.block == LOW_GROUP
+    prompt, roles = np.asarray(PROMPTS[0], np.int32), np.asarray(ROLES[0], np.int32)
+    _, caches, _ = engine.prefill(prompt[None], np.int32([len(prompt)]), roles[None], engine.capacities(64, 8))
+    user = set(np.flatnonzero(roles == Role.USER_TEXT))
+    for cache in caches:
+        pos, table, length = np.asarray(cache.pos), np.asarray(cache.table), np.asarray(cache.length)
+        block_pos = np.asarray(cache.blocks.pos)
+        for idx in np.ndindex(length.shape):  # (layer, row, KV head)
+            slots = pos[idx][table[idx][: length[idx]]]
+            blocks = block_pos[idx][block_pos[idx] >= 0]
+            assert len(slots) == 8 and set(roles[slots]) <= {Role.SINK, Role.USER_TEXT}
+            assert 0 in slots and set(slots) - {0} == set(sorted(user)[-7:])  # the sink, the newest USER_TEXT
+            assert user <= set(slots) | set(blocks)  # every RETAIN_HIGH entry is kept
+            dropped = set(range(len(prompt))) - set(slots) - set(blocks)
+            assert dropped and set(roles[list(dropped)]) == {Role.DESCRIPTION}  # RELEASE leaves first
