@@ -20,6 +20,7 @@ METHOD_NAMES = (
     *("full", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "dapq", "pask", "kivi", "int8", "fp8"),
 )  # = methods.METHODS
 STORAGE_NAMES = ("bf16", "int8", "fp8", "int4")  # what `NAME@STORAGE` may store an eviction method's entries as
+LOW_STORAGE_NAMES = ("kivi2", "kivi4")  # `calibrate --low-storage`: the block formats (`storage.BLOCK_FORMATS`)
 GRAMMAR_BACKENDS = ("outlines", "llguidance")  # ours (schema translation + outlines-core), or llguidance's compiler
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pask_jax.arguments import (
     AUTO_POLICY,
+    LOW_STORAGE_NAMES,
     METHOD_NAMES,
     STATS_FILE,
     OneLineParser,
@@ -167,6 +168,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from pask_jax.models.sharding import init_distributed
     from pask_jax.policy import STATS_FILE
     from pask_jax.requests import RequestBuilder
+    from pask_jax.storage import Storage
 
     budgets = [float(b) for b in args.budgets.split(",")]  # flags checked by the front door (`_check_calibrate`)
     fraction = DEFAULT_DEV_FRACTION if args.dev_fraction is None else args.dev_fraction
@@ -179,6 +181,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         levels=[float(x) for x in args.levels.split(",")] if args.levels else DEFAULT_LEVELS,
         checkpoint_dir=args.checkpoint,
         max_items=args.max_items,
+        low_storage=args.low_storage,
     )
     if args.stats:
         source = Path(args.stats)
@@ -197,9 +200,13 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         raise ValueError(f"no item was calibrated ({len(stats.skipped)} skipped: {reasons}); no policy written")
     # the record of the run: every flag given, without argparse's own entries
     ran_with = {k: v for k, v in vars(args).items() if k not in ("command", "func", "check") and v is not None}
+    head_dim = checkpoint.fingerprint.head_dim
     policy = compile_policy(
         stats,
         budgets,
+        entry_bytes=None
+        if stats.low_storage is None
+        else Storage.with_blocks(stats.low_storage, head_dim).action_bytes(head_dim),
         tolerance=args.tolerance,
         floor_share=args.floor_share,
         ablation=args.ablation,
@@ -330,6 +337,12 @@ def main(argv: list[str] | None = None) -> None:
         type=float_in(0.0, 1.0),
         default=1.0,
         help="fraction of a layer group's share its floors may take",
+    )
+    p.add_argument(
+        "--low-storage",
+        choices=LOW_STORAGE_NAMES,
+        help="also measure every bucket stored at this LOW precision and compile precision actions (RELEASE / "
+        "RETAIN_LOW / RETAIN_HIGH) under the byte budget",
     )
     p.add_argument("--stats", help="compile saved statistics (a stats.json, or a policy directory holding one) instead")
     p.add_argument("--ablation", default="none", choices=ABLATIONS, help="compile an ablated policy")

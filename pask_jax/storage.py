@@ -23,6 +23,7 @@ SLOT_METADATA_BYTES = 4 + 1 + 2 + 4 + 4  # pos i32, role i8, tool i16, score f32
 BLOCK_ENTRY_METADATA_BYTES = 4 + 1  # pos i32, role i8 (the block's table entry is shared by its entries)
 BLOCK_TABLE_BYTES = 4  # i32 per block
 FULL_BYTES_PER_ELEMENT = 2  # the budget's reference: bf16 K and V, no metadata
+BLOCK_FORMATS = tuple(name for name, (key, _) in PRESETS.items() if key.axis == "channel")  # kivi2, kivi4
 
 
 def full_entry_bytes(head_dim: int) -> int:
@@ -85,6 +86,17 @@ class Storage:
                 f"unknown storage {name!r}; an eviction method stores its entries as one of {slot_formats}"
             )
         return cls(slots=PRESETS[name][0])
+
+    @classmethod
+    def with_blocks(cls, name: str, head_dim: int, group: int = 0, window: int = 0) -> Storage:
+        """Full-precision slots and a block pool in the block format `name` (kivi2, kivi4), `group` tokens a block
+        (0: the format's) and channels a value group (at most head_dim)."""
+        if name not in BLOCK_FORMATS:
+            raise ValueError(f"unknown block format {name!r}; one of {list(BLOCK_FORMATS)}")
+        key, value = PRESETS[name]
+        group = group or key.group
+        value = dataclasses.replace(value, group=min(group, head_dim))
+        return cls(blocks=(dataclasses.replace(key, group=group), value), window=window)
 
     def slot_entry_bytes(self, head_dim: int) -> float:
         """Bytes one slot-pool entry (one token of one KV head) holds, metadata included."""

@@ -4,7 +4,6 @@ tests/models/test_sharding.py runs on device meshes."""
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import types
 from collections.abc import Callable
@@ -13,7 +12,6 @@ import numpy as np
 from flax import nnx
 
 from pask_jax.calibration.compiler import compile_policy
-from pask_jax.kernels.quantize import PRESETS
 from pask_jax.methods import KIVI, METHODS, DapQ, KVMethod, PaskKV, PyramidKV, SnapKV
 from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.runtime.engine import Engine
@@ -81,9 +79,10 @@ BUDGET = 0.4  # every compressed invariant runs at this budget: one compiled pla
 BUDGETS = (0.3, 0.4, 0.5, 1.0)  # the synthetic policy's tables (tests/models/test_sharding.py runs PASK at 0.33)
 SYNTHETIC_POLICY = compile_policy(synthetic_stats(num_layers=4, groups=2), list(BUDGETS))
 LOW_GROUP = 8  # LOW blocks of 8 tokens fill on PROMPTS (32 would not)
-LOW_FORMATS = tuple(dataclasses.replace(fmt, group=LOW_GROUP) for fmt in PRESETS["kivi2"])
 ACTION_POLICY = compile_policy(  # precision actions for the matrix model (head_dim 16)
-    synthetic_stats(num_layers=4, groups=2), list(BUDGETS), entry_bytes=Storage(blocks=LOW_FORMATS).action_bytes(16)
+    synthetic_stats(num_layers=4, groups=2),
+    list(BUDGETS),
+    entry_bytes=Storage.with_blocks("kivi2", 16, LOW_GROUP).action_bytes(16),
 )
 
 # A case is a method instance built for the budget it runs at (PASK's policy tables are per budget), so variants of

@@ -52,6 +52,7 @@ from pask_jax.policy_compiler import LOW_STATS_ARRAYS, STATS_ARRAYS, Calibration
 from pask_jax.requests import PreparedRequest
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.sampling import SamplingConfig
+from pask_jax.storage import BLOCK_FORMATS
 from pask_jax.structure import GrammarConstraint
 from pask_jax.structure.roles import TAXONOMY_VERSION, num_roles
 
@@ -251,9 +252,8 @@ def calibrate_examples(
     with a progress bar (ETA) on the first process."""
     if 0.0 not in levels:
         raise ValueError(f"levels={levels} must include 0.0 (bucket removed: distortion is measured there)")
-    if low_storage is not None and (low_storage not in PRESETS or PRESETS[low_storage][0].axis != "channel"):
-        lows = [name for name, (key, _) in PRESETS.items() if key.axis == "channel"]
-        raise ValueError(f"low_storage={low_storage!r}: a LOW precision is a block format, one of {lows}")
+    if low_storage is not None and low_storage not in BLOCK_FORMATS:
+        raise ValueError(f"low_storage={low_storage!r}: a LOW precision is a block format, one of {BLOCK_FORMATS}")
     cfg, levels = model.config, tuple(float(x) for x in levels)
     graphdef, params = nnx.split(model)
     plan = PassPlan(graphdef, layer_groups(cfg.num_layers, groups), *([PRESETS[low_storage]] if low_storage else []))

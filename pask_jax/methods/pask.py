@@ -65,14 +65,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pask_jax.kernels.quantize import PRESETS
 from pask_jax.layers import layer_groups
 from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
 from pask_jax.methods.dapq import DapQ
 from pask_jax.methods.snapkv import SnapKV
 from pask_jax.policy import PersistencePolicy
 from pask_jax.policy_compiler import RELEASE
-from pask_jax.storage import Storage
+from pask_jax.storage import BLOCK_FORMATS, Storage
 from pask_jax.structure.roles import NO_TOOL, Role, num_roles
 
 POSITION_RANGE = 2**16
@@ -128,9 +127,8 @@ class PaskKV(KVMethod):
             raise ValueError('PASK granularity="tool" needs a query-aware rank ("dapq" or "dapq_tier"), not "recency"')
         if self.floor_order == "query" and self.rank == "recency":
             raise ValueError('PASK floor_order="query" needs a query-aware rank ("dapq" or "dapq_tier"), not "recency"')
-        if self.low_storage not in PRESETS or PRESETS[self.low_storage][0].axis != "channel":
-            lows = [name for name, (key, _) in PRESETS.items() if key.axis == "channel"]
-            raise ValueError(f"PASK low_storage must be a block format, one of {lows}, not {self.low_storage!r}")
+        if self.low_storage not in BLOCK_FORMATS:
+            raise ValueError(f"PASK low_storage must be one of {list(BLOCK_FORMATS)}, not {self.low_storage!r}")
         if self.high_window < 1 or self.low_group < 1:
             raise ValueError(f"PASK needs high_window, low_group >= 1, got {self.high_window}, {self.low_group}")
 
@@ -154,10 +152,7 @@ class PaskKV(KVMethod):
         """With actions: full-precision slots (HIGH) and a block pool at `low_storage` (LOW)."""
         if not self.action:
             return None
-        key, value = PRESETS[self.low_storage]
-        key = dataclasses.replace(key, group=self.low_group)
-        value = dataclasses.replace(value, group=min(self.low_group, head_dim))
-        return Storage(blocks=(key, value), window=self.high_window)
+        return Storage.with_blocks(self.low_storage, head_dim, self.low_group, self.high_window)
 
     def _actions(self, layer: int) -> jax.Array:  # i32[R]
         return jnp.asarray(self.action, jnp.int32)[:, self.layer_group[layer]]

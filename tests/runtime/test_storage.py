@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pask_jax.arguments import STORAGE_NAMES, method_spec
+from pask_jax.arguments import LOW_STORAGE_NAMES, STORAGE_NAMES, method_spec
 from pask_jax.attention import decode_attention
 from pask_jax.cache import GroupCache
 from pask_jax.factory import make_engine, resolve_spec
@@ -19,7 +19,7 @@ from pask_jax.kernels.quantize import FP8, INT8, PRESETS, KVFormat, dequantize, 
 from pask_jax.methods import KIVI
 from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.runtime.sampling import SamplingConfig
-from pask_jax.storage import Storage, full_entry_bytes
+from pask_jax.storage import BLOCK_FORMATS, Storage, full_entry_bytes
 
 B, K, H, T = 2, 2, 16, 4  # rows, KV heads, head_dim, block length
 KIVI2 = (KVFormat(2, "int", "channel", T), KVFormat(2, "int", "token", H))
@@ -45,6 +45,7 @@ def test_storage_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="unknown storage 'int3'"):
         Storage.parse("int3")
     assert [Storage.parse(n).name for n in STORAGE_NAMES] == list(STORAGE_NAMES)  # the CLI's JAX-free copy agrees
+    assert LOW_STORAGE_NAMES == BLOCK_FORMATS
 
 
 def test_quantized_slot_pool_round_trips_within_its_step():
