@@ -77,17 +77,23 @@ class ByteBudget:
             return whole
         return min(whole, math.floor(allowance * self.full_bytes / self.block_bytes)) + 1
 
-    def prefill_count(self, allowance: jax.Array, available: jax.Array, high: jax.Array | None = None) -> jax.Array:
+    def prefill_count(
+        self,
+        allowance: jax.Array,
+        available: jax.Array,
+        high: jax.Array | None = None,
+        retained: jax.Array | None = None,
+    ) -> jax.Array:
         """Entries (i32, any shape) a layer keeps of `available` prompt entries under an allowance of `allowance`
         reference entries. With a block pool: the most whose whole blocks plus a slot remainder fit the bytes; or,
-        given `high` (entries wanted at full precision, at most the window), those in slots and whole blocks after."""
+        given `high` and `retained` (`prefill_slots`), those slots and then whole blocks."""
         if not self.capped:
             return available
         if self.storage.blocks is None:
             return jnp.minimum(jnp.floor(self.slot_entries(allowance)).astype(jnp.int32), available)
         block, limit = self.storage.block, allowance * self.full_bytes
         if high is not None:
-            slots = self.prefill_slots(allowance, available, high)
+            slots = self.prefill_slots(allowance, available, high, retained)
             blocks = jnp.floor((limit - slots * self.slot_bytes) / self.block_bytes).astype(jnp.int32)
             return slots + jnp.minimum(blocks, (available - slots) // block) * block
         if_all = self.held(available % block, available // block) <= limit
@@ -96,13 +102,19 @@ class ByteBudget:
         rest = jnp.minimum(jnp.minimum(spare, block - 1), available - blocks * block)
         return jnp.where(if_all, available, blocks * block + rest)
 
-    def prefill_slots(self, allowance: jax.Array, available: jax.Array, high: jax.Array) -> jax.Array:
+    def prefill_slots(
+        self, allowance: jax.Array, available: jax.Array, high: jax.Array, retained: jax.Array
+    ) -> jax.Array:
         """i32: of `high` prompt entries wanted at full precision, those the slot pool holds after prefill: at most
-        the window, the entries there are and (capped) what the bytes pay for."""
+        the window and, capped, what the bytes left after holding all `retained` entries (the method's, `high`
+        among them) in blocks pay for the step up -- so, as during decode, entries go down before any retained
+        entry leaves."""
         slots = jnp.minimum(jnp.minimum(high, self.storage.window), available)
         if not self.capped:
             return slots
-        return jnp.minimum(slots, jnp.floor(allowance * self.full_bytes / self.slot_bytes).astype(jnp.int32))
+        entry = self.block_bytes / self.storage.block
+        spare = allowance * self.full_bytes - retained * entry  # bytes beyond every retained entry at LOW
+        return jnp.clip(jnp.floor(spare / (self.slot_bytes - entry)).astype(jnp.int32), 0, slots)
 
     def slot_cap(self, allowance: jax.Array) -> jax.Array:
         """i32: slot entries a slot-only layer may hold under an allowance of `allowance` reference entries."""

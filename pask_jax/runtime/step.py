@@ -163,9 +163,13 @@ class StepPlan:
                     ctx.lengths,
                 )
             allowance, available = self.allowance(layer, ctx.lengths)[:, None], ctx.lengths[:, None]  # [B, 1]
-            quota = jnp.maximum(self.bytes.prefill_count(allowance, available, high), 1)  # i32[B, K or 1]
+            retained = None
+            if high is not None:  # the entries above the release line: all of them go down before one leaves
+                above = scores[layer] >= self.method.release_line(layer)
+                retained = jnp.sum(ctx.valid[:, None] & above, axis=-1, dtype=jnp.int32)  # i32[B, K]
+            quota = jnp.maximum(self.bytes.prefill_count(allowance, available, high, retained), 1)  # i32[B, K or 1]
             if high is not None:
-                high = self.bytes.prefill_slots(allowance, available, high)  # what the slots hold of them
+                high = self.bytes.prefill_slots(allowance, available, high, retained)  # what the slots hold
             ranked = jnp.where(ctx.valid[:, None], scores[layer], -jnp.inf)  # padding never kept
             best = per_row_shards(lambda r, n=n_keep: jax.lax.top_k(r, n)[1].astype(jnp.int32), caches[g].axes)
             keep = best(ranked)  # [B, K, n_keep], best first (on a mesh: each device ranks its own rows)
