@@ -11,7 +11,9 @@ from tools.report.serving import _serving
 from tools.report.stats import PAIRED_HEAD, paired
 
 # the categories whose run over items 110-134 is complete, in the order they ran
-QUANTIZED_EVAL = tuple(f"results/quantized_eval/bfcl_items110_134_{c}.json" for c in ("simple_python", "live_simple", "multiple"))
+QUANTIZED_EVAL = tuple(
+    f"results/quantized_eval/bfcl_items110_134_{c}.json" for c in ("simple_python", "live_simple", "multiple")
+)
 QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays, at low precision
 
 
