@@ -111,6 +111,7 @@ class PaskKV(KVMethod):
     high_window: int = 128  # with actions: full-precision slot entries at most (and one block going down)
     low_storage: str = "kivi2"  # with actions: the block pool's format (LOW)
     low_group: int = 32  # with actions: tokens per LOW block (its keys' channel groups; channels per value group)
+    release_first: bool = True  # with actions: RELEASE entries leave before anything goes down (False: they go down)
 
     def __post_init__(self) -> None:
         if self.rank not in RANKS:
@@ -269,7 +270,9 @@ class PaskKV(KVMethod):
         return self.eviction_priority(layer, scores, pos, role, position, prompt_len)  # tiers: LOW before HIGH
 
     def release_line(self, layer: int) -> float:
-        return TIER * POSITION_RANGE if self.action else super().release_line(layer)  # tier 0 leaves first
+        if self.action and self.release_first:
+            return TIER * POSITION_RANGE  # tier 0 leaves first
+        return super().release_line(layer)
 
     def block_entry_priority(self, layer, pos, role, position, prompt_len) -> jax.Array:
         if not self.action:

@@ -489,3 +489,24 @@ def test_pask_actions_hold_high_buckets_in_slots_low_in_blocks_and_release_first
             assert user <= set(slots) | set(blocks)  # every RETAIN_HIGH entry is kept
             dropped = set(range(len(prompt))) - set(slots) - set(blocks)
             assert dropped and set(roles[list(dropped)]) == {Role.DESCRIPTION}  # RELEASE leaves first
+
+
+def test_pask_actions_can_keep_released_buckets_at_low_precision():
+    """`release_first=False`: RELEASE entries count as retained at prefill (all go down to blocks before any leaves),
+    so the same bytes hold more entries than when RELEASE entries leave first and pay for full-precision slots."""
+    from support import BUCKETS, LOW_GROUP, PROMPTS, ROLES, matrix_model
+
+    from pask_jax.policy_compiler import RELEASE, RETAIN_HIGH, RETAIN_LOW
+
+    action = [[RETAIN_LOW] * 2 for _ in range(num_roles())]
+    action[Role.USER_TEXT], action[Role.DESCRIPTION] = [RETAIN_HIGH] * 2, [RELEASE] * 2
+    prompt, roles = np.asarray(PROMPTS[0], np.int32), np.asarray(ROLES[0], np.int32)
+    kept = {}
+    for release_first in (True, False):
+        method = PaskKV(action=tuple(map(tuple, action)), layer_group=(0, 0, 1, 1), high_window=8, low_group=LOW_GROUP)
+        method = dataclasses.replace(method, release_first=release_first)
+        assert (method.release_line(0) == -np.inf) is not release_first
+        engine = Engine(matrix_model(), method=method, budget=0.4, num_groups=2, length_buckets=BUCKETS)
+        _, caches, _ = engine.prefill(prompt[None], np.int32([len(prompt)]), roles[None], engine.capacities(64, 8))
+        kept[release_first] = [int(np.asarray(c.length).sum() + (np.asarray(c.blocks.pos) >= 0).sum()) for c in caches]
+    assert all(k > r for k, r in zip(kept[False], kept[True], strict=True))

@@ -15,6 +15,11 @@ QUANTIZED_EVAL = tuple(
     f"results/quantized_eval/bfcl_items110_134_{c}.json" for c in ("simple_python", "live_simple", "multiple")
 )
 QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays, at low precision
+ACTIONS_DEV = (  # PASK with precision actions on the dev split, beside the baselines on the same items
+    "results/dev_actions/dev_calib6.json",
+    "results/dev_actions/dev_calib18_short.json",
+    "results/dev_actions/dev_calib18_keep_released.json",
+)
 
 
 def _merged(root: Path, files: Sequence[str]) -> dict:
@@ -76,6 +81,29 @@ def quantized_vs_eviction(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> 
     return f"**Claim.** {claim}\n\n" + _table(("A - B @ b", *PAIRED_HEAD), rows)
 
 
+def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
+    """Dev items: correct per category and in all, per method and budget, for the rows run on every category."""
+    result = _merged(root, files)
+    categories = list(dict.fromkeys(r["category"] for r in result["runs"]))
+    rows = []
+    for method, budget in sorted(_keys(result), key=lambda k: (k[1], k[0])):
+        ran = {r["category"] for r in result["runs"] if (r["method"], r["budget"]) == (method, budget)}
+        if ran < set(categories):
+            continue
+        got = outcomes(result, method, budget)
+        per = [sum(outcomes(result, method, budget, [c]).values()) for c in categories]
+        bytes_ = _bytes(items_of(result, method, budget))
+        rows.append([f"{method} @ {budget:g}", *per, f"{sum(got.values())} / {len(got)}", bytes_])
+    claim = (
+        f"Dev items only (for choosing, not a reported result): the first 12 dev items of {', '.join(categories)}, "
+        "every row on the same items. `pask:v3`: PASK under the 6-item precision-action policy; `pask:v18` under "
+        "the 17-item one; `pask:keep_released`: the 17-item policy with its RELEASE buckets going down to 2 bits "
+        "with the rest instead of leaving first."
+    )
+    head = ["method @ b", *categories, "all", "bytes / full bf16, mean / max"]
+    return f"**Claim.** {claim}\n\n" + _table(head, rows)
+
+
 def quantized_serving(root: Path) -> str:
     return _serving(root, "results/quantized_eval/serving_storage.json")
 
@@ -84,4 +112,5 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "quantized_vs_full": quantized_vs_full,
     "quantized_vs_eviction": quantized_vs_eviction,
     "quantized_serving": quantized_serving,
+    "actions_dev": actions_dev,
 }
