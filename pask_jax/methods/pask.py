@@ -51,9 +51,10 @@ RETAIN_HIGH, and the cache gets two precisions (`storage`): a slot pool at full 
 Tiers then follow the actions: 0 RELEASE (floor-protected entries 1), 1 RETAIN_LOW, 2 RETAIN_HIGH prompt entries,
 3 RETAIN_HIGH generated entries (generated RETAIN_LOW ones 1, RELEASE ones released as above). At prefill the prompt
 entries of tier >= 2 stay in slots (the window and the bytes permitting), the rest go down into blocks, lowest first;
-at each step the running byte cap first lets a tier-0 entry go, then takes the lowest slot entries down a block
-(also when the slots are full), then releases the lowest entry or block. So the call being written and the
-structure the call needs stay at full precision, the rest at 2 bits, and what the policy releases leaves first.
+at each step the running byte cap first lets a tier-0 entry go (`release_first`; else tier 0 goes down with the
+rest), then takes the lowest slot entries down a block (also when the slots are full), then releases the lowest
+entry or block. So the call being written and the structure the call needs stay at full precision, the rest at 2
+bits, and what the policy releases leaves first.
 """
 
 from __future__ import annotations
