@@ -19,7 +19,11 @@ ACTIONS_DEV = (  # PASK with precision actions on the dev split, beside the base
     "results/dev_actions/dev_calib6.json",
     "results/dev_actions/dev_calib18_short.json",
     "results/dev_actions/dev_calib18_keep_released.json",
+    "results/dev_actions/dev_calib18_keep_released_b01_b033.json",
 )
+ACTIONS_DEV_MULTIPLE = (
+    "results/dev_actions/dev_calib18_multiple.json",
+)  # multiple: the baselines and the 17-item policy
 
 
 def _merged(root: Path, files: Sequence[str]) -> dict:
@@ -94,14 +98,25 @@ def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
         per = [sum(outcomes(result, method, budget, [c]).values()) for c in categories]
         bytes_ = _bytes(items_of(result, method, budget))
         rows.append([f"{method} @ {budget:g}", *per, f"{sum(got.values())} / {len(got)}", bytes_])
+    labels = {
+        "pask:v3": "PASK under the 6-item precision-action policy",
+        "pask:v18": "PASK under the 17-item one",
+        "pask:keep_released": "the 17-item policy with its RELEASE buckets going down to 2 bits with the rest "
+        "instead of leaving first",
+    }
+    present = {m for m, _ in _keys(result)}
     claim = (
         f"Dev items only (for choosing, not a reported result): the first 12 dev items of {', '.join(categories)}, "
-        "every row on the same items. `pask:v3`: PASK under the 6-item precision-action policy; `pask:v18` under "
-        "the 17-item one; `pask:keep_released`: the 17-item policy with its RELEASE buckets going down to 2 bits "
-        "with the rest instead of leaving first."
+        "every row on the same items. "
+        + "; ".join(f"`{m}`: {text}" for m, text in labels.items() if m in present)
+        + "."
     )
     head = ["method @ b", *categories, "all", "bytes / full bf16, mean / max"]
     return f"**Claim.** {claim}\n\n" + _table(head, rows)
+
+
+def actions_dev_multiple(root: Path) -> str:
+    return actions_dev(root, ACTIONS_DEV_MULTIPLE)
 
 
 def quantized_serving(root: Path) -> str:
@@ -113,4 +128,5 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "quantized_vs_eviction": quantized_vs_eviction,
     "quantized_serving": quantized_serving,
     "actions_dev": actions_dev,
+    "actions_dev_multiple": actions_dev_multiple,
 }
