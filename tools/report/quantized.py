@@ -21,9 +21,10 @@ ACTIONS_DEV = (  # PASK with precision actions on the dev split, beside the base
     "results/dev_actions/dev_calib18_keep_released.json",
     "results/dev_actions/dev_calib18_keep_released_b01_b033.json",
 )
-ACTIONS_DEV_MULTIPLE = (
+ACTIONS_DEV_MULTIPLE = (  # multiple: the baselines and the 17-item policy, releasing first or not
     "results/dev_actions/dev_calib18_multiple.json",
-)  # multiple: the baselines and the 17-item policy
+    "results/dev_actions/dev_calib18_keep_released_multiple.json",
+)
 
 
 def _merged(root: Path, files: Sequence[str]) -> dict:
@@ -100,7 +101,7 @@ def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
         rows.append([f"{method} @ {budget:g}", *per, f"{sum(got.values())} / {len(got)}", bytes_])
     labels = {
         "pask:v3": "PASK under the 6-item precision-action policy",
-        "pask:v18": "PASK under the 17-item one",
+        "pask:v18": "PASK under the 17-item precision-action policy",
         "pask:keep_released": "the 17-item policy with its RELEASE buckets going down to 2 bits with the rest "
         "instead of leaving first",
     }
