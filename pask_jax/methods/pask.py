@@ -51,10 +51,10 @@ RETAIN_HIGH, and the cache gets two precisions (`storage`): a slot pool at full 
 Tiers then follow the actions: 0 RELEASE (floor-protected entries 1), 1 RETAIN_LOW, 2 RETAIN_HIGH prompt entries,
 3 RETAIN_HIGH generated entries (generated RETAIN_LOW ones 1, RELEASE ones released as above). At prefill the prompt
 entries of tier >= 2 stay in slots (the window and the bytes permitting), the rest go down into blocks, lowest first;
-at each step the running byte cap first lets a tier-0 entry go (`release_first`; else tier 0 goes down with the
-rest), then takes the lowest slot entries down a block (also when the slots are full), then releases the lowest
-entry or block. So the call being written and the structure the call needs stay at full precision, the rest at 2
-bits, and what the policy releases leaves first.
+at each step the running byte cap takes the lowest slot entries down a block (also when the slots are full), then
+releases the lowest entry or block, tier 0 first (with `release_first`, a tier-0 entry leaves before anything goes
+down). So the call being written and the structure the call needs stay at full precision, the rest at 2 bits, and
+what the policy releases leaves first when something must.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class PaskKV(KVMethod):
     high_window: int = 128  # with actions: full-precision slot entries at most (and one block going down)
     low_storage: str = "kivi2"  # with actions: the block pool's format (LOW)
     low_group: int = 32  # with actions: tokens per LOW block (its keys' channel groups; channels per value group)
-    release_first: bool = True  # with actions: RELEASE entries leave before anything goes down (False: they go down)
+    release_first: bool = False  # with actions: RELEASE entries leave before anything goes down (default: go down)
 
     def __post_init__(self) -> None:
         if self.rank not in RANKS:

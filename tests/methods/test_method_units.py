@@ -461,7 +461,8 @@ def test_pask_floor_order_query_protects_what_the_query_attends_to():
 
 
 def test_pask_actions_hold_high_buckets_in_slots_low_in_blocks_and_release_first():
-    """A hand action table (USER_TEXT RETAIN_HIGH, DESCRIPTION RELEASE, the rest RETAIN_LOW) at b = 0.4: prefill keeps
+    """A hand action table (USER_TEXT RETAIN_HIGH, DESCRIPTION RELEASE, the rest RETAIN_LOW) at b = 0.4, releasing
+    first: prefill keeps
     every USER_TEXT entry, the sink and the newest USER_TEXT entries in the full-precision slots (the window of 8),
     the other kept entries in 2-bit blocks, and lets DESCRIPTION go before anything else."""
     from support import BUCKETS, LOW_GROUP, PROMPTS, ROLES, matrix_model
@@ -471,7 +472,12 @@ def test_pask_actions_hold_high_buckets_in_slots_low_in_blocks_and_release_first
     action = [[RETAIN_LOW] * 2 for _ in range(num_roles())]
     action[Role.USER_TEXT], action[Role.DESCRIPTION] = [RETAIN_HIGH] * 2, [RELEASE] * 2
     method = PaskKV(  # ranked by recency inside a tier, so which USER_TEXT entries stay in slots is known
-        action=tuple(map(tuple, action)), layer_group=(0, 0, 1, 1), high_window=8, low_group=LOW_GROUP, rank="recency"
+        action=tuple(map(tuple, action)),
+        layer_group=(0, 0, 1, 1),
+        high_window=8,
+        low_group=LOW_GROUP,
+        rank="recency",
+        release_first=True,
     )
     engine = Engine(matrix_model(), method=method, budget=0.4, num_groups=2, length_buckets=BUCKETS)
     assert engine.storage.window == 8 and engine.storage.block == LOW_GROUP
@@ -491,9 +497,9 @@ def test_pask_actions_hold_high_buckets_in_slots_low_in_blocks_and_release_first
             assert dropped and set(roles[list(dropped)]) == {Role.DESCRIPTION}  # RELEASE leaves first
 
 
-def test_pask_actions_can_keep_released_buckets_at_low_precision():
-    """`release_first=False`: RELEASE entries count as retained at prefill (all go down to blocks before any leaves),
-    so the same bytes hold more entries than when RELEASE entries leave first and pay for full-precision slots."""
+def test_pask_actions_keep_released_buckets_at_low_precision_unless_released_first():
+    """By default RELEASE entries count as retained at prefill (all go down to blocks before any leaves), so the same
+    bytes hold more entries than with `release_first`, where they leave first and pay for full-precision slots."""
     from support import BUCKETS, LOW_GROUP, PROMPTS, ROLES, matrix_model
 
     from pask_jax.policy_compiler import RELEASE, RETAIN_HIGH, RETAIN_LOW

@@ -100,10 +100,11 @@ def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
         bytes_ = _bytes(items_of(result, method, budget))
         rows.append([f"{method} @ {budget:g}", *per, f"{sum(got.values())} / {len(got)}", bytes_])
     labels = {
-        "pask:v3": "PASK under the 6-item precision-action policy",
-        "pask:v18": "PASK under the 17-item precision-action policy",
-        "pask:keep_released": "the 17-item policy with its RELEASE buckets going down to 2 bits with the rest "
-        "instead of leaving first",
+        "pask:v3": "PASK under the 6-item precision-action policy, RELEASE buckets leaving first",
+        "pask:v18": "PASK under the 17-item precision-action policy, RELEASE buckets leaving first "
+        "(`pask:release_first`)",
+        "pask:keep_released": "the 17-item policy under the default rule, RELEASE buckets going down to 2 bits with "
+        "the rest",
     }
     present = {m for m, _ in _keys(result)}
     claim = (
