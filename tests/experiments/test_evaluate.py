@@ -153,3 +153,21 @@ def test_prompt_framings_for_parallel_calls():
     ):
         with pytest.raises(ValueError, match="prompt"):
             EvalConfig(**bad)
+
+
+def test_a_results_file_resumes_unless_a_section_its_methods_read_changed(tmp_path):
+    """A results file records the method-config sections its methods read: a section added for another method
+    changes nothing (an older file recording every section resumes too); a changed section they read is refused."""
+    from pask_jax.experiments.bfcl.evaluate import read_results, run_config
+
+    cfg = EvalConfig(methods=("kivi", "pask@int4"))
+    sections = {"pask:v1": {"rank": "recency"}, "pask": {"sinks": 1}, "snapkv": {"window": 8}}
+    config = run_config(cfg, sections, {})
+    assert config["method_config"] == {"pask": {"sinks": 1}}  # the sections kivi and pask@int4 read
+    path = tmp_path / "r.json"
+    older = config | {"method_config": sections}  # a file that recorded every section
+    path.write_text(json.dumps({"model": "m", "config": older, "runs": []}))
+    more = sections | {"pask:release_first": {"release_first": True}}
+    assert read_results(path, "m", run_config(cfg, more, {})) == ([], None)
+    with pytest.raises(ValueError, match="method_config differ"):
+        read_results(path, "m", run_config(cfg, sections | {"pask": {"sinks": 4}}, {}))

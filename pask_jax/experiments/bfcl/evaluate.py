@@ -238,9 +238,17 @@ def build_engines(
     return engines
 
 
+def used_sections(method_config: dict[str, dict], methods) -> dict[str, dict]:
+    """The sections of `method_config` that the method specs `methods` read (`NAME:LABEL`, `NAME`; any `@STORAGE`
+    aside): a section no run reads does not change a result."""
+    names = {spec.partition("@")[0] for spec in methods}
+    return {k: v for k, v in method_config.items() if k in names or k in {n.partition(":")[0] for n in names}}
+
+
 def run_config(cfg: EvalConfig, method_config: dict[str, dict], policies: dict[str, PersistencePolicy]) -> dict:
-    """The `config` a results file records (the run's settings, method configs and policies), as JSON has it."""
-    config = dataclasses.asdict(cfg) | {"method_config": method_config}
+    """The `config` a results file records (the run's settings, the method configs its methods read, and policies),
+    as JSON has it."""
+    config = dataclasses.asdict(cfg) | {"method_config": used_sections(method_config, cfg.methods)}
     config["policies"] = {
         label: {"model": p.model, "groups": p.groups, "budgets": [t.budget for t in p.tables], "notes": p.notes}
         | {"content_hash": p.content_hash()}
@@ -259,6 +267,10 @@ def read_results(path: Path | None, model_name: str, config: dict) -> tuple[list
         old_model, old_config, runs = previous["model"], previous["config"], previous["runs"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a BFCL results file ({exc}); choose another --out") from None
+    if isinstance(old_config, dict):  # a file recording every section compares on the ones its methods read
+        old_config = old_config | {
+            "method_config": used_sections(old_config.get("method_config", {}), old_config.get("methods", ()))
+        }
     differ = ["model"] if old_model != model_name else []
     differ += sorted(k for k in set(old_config) | set(config) if old_config.get(k) != config.get(k))
     if differ:
