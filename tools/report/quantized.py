@@ -10,9 +10,10 @@ from tools.report.common import _keys, _table, items_of, load_json, outcomes
 from tools.report.serving import _serving
 from tools.report.stats import PAIRED_HEAD, paired
 
-# the categories whose run over items 110-134 is complete, in the order they ran
+# the four categories of the run over items 110-134, in the order they ran
 QUANTIZED_EVAL = tuple(
-    f"results/quantized_eval/bfcl_items110_134_{c}.json" for c in ("simple_python", "live_simple", "multiple")
+    f"results/quantized_eval/bfcl_items110_134_{c}.json"
+    for c in ("simple_python", "live_simple", "multiple", "live_multiple")
 )
 QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays, at low precision
 ACTIONS_DEV = (  # PASK with precision actions on the dev split, beside the baselines on the same items
