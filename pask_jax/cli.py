@@ -72,6 +72,11 @@ def _check_calibrate(args: argparse.Namespace) -> None:
                 )
         else:
             input_file(args.stats, "--stats")
+    if args.value != "distortion" and not (args.low_storage or args.stats):
+        raise UsageError(
+            f"--value {args.value} ranks precision actions: calibrate with --low-storage (or compile --stats measured "
+            "with one)"
+        )
     output_dir(args.out, "--out")
     if args.checkpoint:
         output_dir(args.checkpoint, "--checkpoint")
@@ -207,6 +212,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         entry_bytes=None
         if stats.low_storage is None
         else Storage.with_blocks(stats.low_storage, head_dim).action_bytes(head_dim),
+        value=args.value,
         tolerance=args.tolerance,
         floor_share=args.floor_share,
         ablation=args.ablation,
@@ -236,7 +242,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pask_jax.calibration.compiler import ABLATIONS
+    from pask_jax.calibration.compiler import ABLATIONS, ACTION_VALUES
     from pask_jax.experiments.commands import add_calibration_suite_options, add_commands
 
     parser = OneLineParser(prog="pask-jax", description=__doc__)
@@ -343,6 +349,13 @@ def main(argv: list[str] | None = None) -> None:
         choices=LOW_STORAGE_NAMES,
         help="also measure every bucket stored at this LOW precision and compile precision actions (RELEASE / "
         "RETAIN_LOW / RETAIN_HIGH) under the byte budget",
+    )
+    p.add_argument(
+        "--value",
+        default="distortion",
+        choices=ACTION_VALUES,
+        help="precision actions: what the byte knapsack counts as an action's value, the attention-output distortion "
+        "it removes (default) or the gold tokens' NLL increase it removes",
     )
     p.add_argument("--stats", help="compile saved statistics (a stats.json, or a policy directory holding one) instead")
     p.add_argument("--ablation", default="none", choices=ABLATIONS, help="compile an ablated policy")

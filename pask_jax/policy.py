@@ -182,7 +182,7 @@ class PersistencePolicy:
         names = role_names()[: taxonomy_roles(self.taxonomy)]
         options = dataclasses.asdict(self.compile_options) if self.compile_options else None
         if options is not None and options["entry_bytes"] is None:  # presence-only options as they were written
-            del options["entry_bytes"]
+            del options["entry_bytes"], options["value"]
 
         def actions(t: PolicyTable, r: int) -> list[str]:
             if t.action is None:

@@ -30,7 +30,8 @@ bytes), and the budget counts bytes against a full bf16 cache. Each bucket gets 
    cost more than `floor_share` of its share of the bytes, the floors with the least task error per byte saved step
    down first, one action at a time.
 2. The remaining bytes: a multiple-choice knapsack over (bucket, action), value = the attention-output distortion
-   an action removes relative to RELEASE (HIGH removes all of it, LOW what LOW precision does not add back), cost =
+   an action removes relative to RELEASE (HIGH removes all of it, LOW what LOW precision does not add back; with
+   `value="nll"` the gold tokens' NLL increase instead), cost =
    entry-layers x bytes of the action. Solved greedily over each bucket's upper convex hull of (cost, value) (a LOW
    worth less per byte than the step from LOW to HIGH is skipped: RELEASE goes to HIGH directly) in one order of
    incremental value per byte; actions are discrete, so an upgrade that does not fit whole is passed over for
@@ -60,6 +61,9 @@ from pask_jax.layers import layer_groups
 
 GROUP_SHARE = 2.0  # a layer group keeps between budget / GROUP_SHARE and GROUP_SHARE x budget of its entries (bytes)
 ABLATIONS = ("none", "no_floors", "no_distortion", "one_role", "one_group")
+# What a precision-action compile's knapsack counts as an action's value: the attention-output distortion it removes
+# (the paper's rule) or the increase in the gold tokens' NLL it removes (smoother on few calibration items).
+ACTION_VALUES = ("distortion", "nll")
 STATS_ARRAYS = (  # the array fields of CalibrationStats (and the calibration loop's running sums)
     "task_error",
     "task_error_strict",
@@ -174,10 +178,15 @@ class CompileOptions:
     # (full bf16, LOW, HIGH) bytes of one entry of one KV head of one layer. Given: compile precision actions (the
     # statistics must carry the LOW measurements); None: presence-only tables.
     entry_bytes: tuple[float, float, float] | None = None
+    value: str = "distortion"  # precision actions: the knapsack's value, one of ACTION_VALUES
 
     def __post_init__(self) -> None:
         if self.ablation not in ABLATIONS:
             raise ValueError(f"unknown ablation {self.ablation!r}; choose one of {', '.join(ABLATIONS)}")
+        if self.value not in ACTION_VALUES:
+            raise ValueError(f"unknown action value {self.value!r}; choose one of {', '.join(ACTION_VALUES)}")
+        if self.value != "distortion" and self.entry_bytes is None:
+            raise ValueError(f"value={self.value!r} ranks precision actions: it needs entry_bytes")
         if not 0.0 <= self.floor_share <= 1.0:
             raise ValueError(f"floor_share={self.floor_share} must be in [0, 1]")
         if self.entry_bytes is not None:
@@ -398,6 +407,7 @@ def compile_action_table(
     use_distortion: bool = True,
     floor_share: float = 1.0,
     group_layers: np.ndarray | None = None,  # i[G] layers per group (default: equal)
+    value: str = "distortion",  # one of ACTION_VALUES
 ) -> PolicyTable:
     """One budget's table with precision actions from `CalibrationStats` carrying the LOW statistics (task_error[R,
     G, Λ], task_error_low, distortion, distortion_low, entries[R, G]). `entry_bytes` = (full bf16, LOW, HIGH) bytes
@@ -422,24 +432,30 @@ def compile_action_table(
     start[~present] = RETAIN_LOW  # nothing measured and nothing to pay for: neither dropped nor full precision
     start = _step_floors_down(start, error, cost, floor_share * budget * reference, slack)
 
-    # 2. The remaining bytes: multiple-choice knapsack over (bucket, action), value = distortion removed relative to
-    #    RELEASE. Distortion is a norm ratio over the group's layers: like the presence compile (value per
+    # 2. The remaining bytes: multiple-choice knapsack over (bucket, action), value = the damage of RELEASE that the
+    #    action removes. Distortion is a norm ratio over the group's layers: like the presence compile (value per
     #    entry-layer), each layer of the group counts, so a bucket's value per byte does not depend on its group's
-    #    size. Group bounds as in the presence compile, in bytes.
+    #    size. The NLL change is already the whole group's (the bucket left out of all its layers); a negative mean
+    #    change (noise) is worth nothing. Group bounds as in the presence compile, in bytes.
     if use_distortion:
-        distortion = np.asarray(stats.distortion, np.float64) * layers
-        low_value = np.clip(distortion - np.asarray(stats.distortion_low, np.float64) * layers, 0.0, distortion)
-        value = np.stack([np.zeros_like(distortion), low_value, distortion], -1)  # f64[R, G, 3]
+        if value == "nll":
+            damage = np.clip(np.asarray(stats.nll_delta, np.float64)[..., list(stats.levels).index(0.0)], 0.0, None)
+            damage_low = np.asarray(stats.nll_delta_low, np.float64)
+        else:
+            damage = np.asarray(stats.distortion, np.float64) * layers
+            damage_low = np.asarray(stats.distortion_low, np.float64) * layers
+        low_value = np.clip(damage - damage_low, 0.0, damage)
+        values = np.stack([np.zeros_like(damage), low_value, damage], -1)  # f64[R, G, 3]
     else:
-        value = cost  # every byte worth the same
-    steps = _hull_steps(start, cost, value)
+        values = cost  # every byte worth the same
+    steps = _hull_steps(start, cost, values)
     low, high = budget / GROUP_SHARE * reference, min(1.0, GROUP_SHARE * budget) * reference
     action = _take_upgrades(start, steps, cost, low, capacity, slack)  # every group its own lower bound first
     action = _take_upgrades(action, steps, cost, high, capacity, slack)
 
     # 3. The table. Priority: the rank of the value per byte of the action held (of the first upgrade for RELEASE).
     held = _held(cost, action)
-    density = np.where(held > 0, _held(value, action) / np.maximum(held, 1e-30), 0.0)
+    density = np.where(held > 0, _held(values, action) / np.maximum(held, 1e-30), 0.0)
     for d, a, _, r, g in steps:
         if a == RELEASE and action[r, g] == RELEASE:
             density[r, g] = d
@@ -481,4 +497,5 @@ def compile_tables(
     common = {"tolerance": options.tolerance, "floor_share": options.floor_share, "group_layers": group_layers} | off
     if options.entry_bytes is None:
         return tuple(compile_table(stats, budget, **common) for budget in budgets)
+    common["value"] = options.value
     return tuple(compile_action_table(stats, budget, options.entry_bytes, **common) for budget in budgets)

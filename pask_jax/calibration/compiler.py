@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pask_jax.policy import ModelFingerprint, PersistencePolicy
-from pask_jax.policy_compiler import ABLATIONS, CompileOptions, compile_tables
+from pask_jax.policy_compiler import ABLATIONS, ACTION_VALUES, CompileOptions, compile_tables
 
-__all__ = ["ABLATIONS", "compile_policy"]  # ABLATIONS: the choices of `pask-jax calibrate --ablation`
+__all__ = ["ABLATIONS", "ACTION_VALUES", "compile_policy"]  # the choices of `pask-jax calibrate --ablation`, `--value`
 
 
 def compile_policy(
@@ -26,6 +26,7 @@ def compile_policy(
     tolerance: float = 0.02,
     floor_share: float = 1.0,
     entry_bytes: tuple[float, float, float] | None = None,  # (full bf16, LOW, HIGH): precision actions (CompileOptions)
+    value: str = "distortion",  # precision actions: the knapsack's value (CompileOptions.value)
 ) -> PersistencePolicy:
     """A policy over several budgets, carrying the calibration's model, layer count, groups and item ids, the
     statistics and compile options (so it answers any other budget too), and the fingerprint of the model it fits
@@ -36,7 +37,7 @@ def compile_policy(
             f"the statistics were calibrated on {stats.model} ({stats.num_layers} layers); the model has "
             f"{fits.num_layers}: calibrate this model (`pask-jax calibrate --model ...`)"
         )
-    options = CompileOptions(tolerance=tolerance, floor_share=floor_share, ablation=ablation, entry_bytes=entry_bytes)
+    options = CompileOptions(tolerance, floor_share, ablation, entry_bytes, value)
     return PersistencePolicy(
         model=stats.model,
         num_layers=stats.num_layers,

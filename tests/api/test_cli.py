@@ -212,6 +212,7 @@ def test_calibrate_refuses_bad_paths_and_settings_before_the_model(tmp_path: Pat
         f"--stats {stats_dir}: the directory holds no stats.json": ["--stats", str(stats_dir)],
         "--data": ["--data", str(tmp_path / "missing.jsonl")],
         "give one of them": ["--data", str(requests_file), "--stats", str(stats_dir)],
+        "--value nll ranks precision actions: calibrate with --low-storage": ["--value", "nll"],
         "--dev-fraction splits --data": ["--dev-fraction", "0.2"],
         "argument --dev-fraction": ["--data", str(requests_file), "--dev-fraction", "1"],
         "--contexts, --layouts and --target canonical are for BFCL": ["--data", str(requests_file), "--contexts", "0"],

@@ -479,6 +479,27 @@ def test_precision_priority_follows_value_per_byte():
     assert (table.priority[Role.USER_TEXT] > table.priority[Role.DESCRIPTION]).all()  # both LOW: 0.01 vs 0.001
 
 
+def test_nll_value_ranks_by_the_nll_change_not_distortion():
+    """Under value="nll" the knapsack reads the NLL change: descriptions, the least distortion per byte, rank first
+    when their removal alone costs NLL; schema punctuation, all distortion and no NLL change, is not bought at HIGH;
+    a negative mean change (noise) is worth nothing."""
+    stats = low_calibration()
+    level0 = list(stats.levels).index(0.0)
+    stats.nll_delta = np.zeros_like(stats.nll_delta)
+    stats.nll_delta[Role.DESCRIPTION, :, level0] = 1.0  # removing descriptions costs NLL, at LOW none
+    stats.nll_delta[Role.USER_TEXT, :, level0] = -1.0
+    by_distortion, by_nll = _precision(stats, 0.33), _precision(stats, 0.33, value="nll")
+    assert (by_distortion.priority[Role.DESCRIPTION] < by_distortion.priority[Role.TOOL_NAME]).all()
+    assert (by_nll.priority[Role.DESCRIPTION] > by_nll.priority[Role.TOOL_NAME]).all()
+    assert (by_nll.priority[Role.USER_TEXT] == 0).all() and (by_nll.action[Role.USER_TEXT] == RETAIN_LOW).all()
+    assert RETAIN_HIGH in by_distortion.action[Role.SCHEMA_PUNCT]
+    assert RETAIN_HIGH not in by_nll.action[Role.SCHEMA_PUNCT]
+    with pytest.raises(ValueError, match="unknown action value"):
+        CompileOptions(entry_bytes=BYTES, value="mse")
+    with pytest.raises(ValueError, match="needs entry_bytes"):
+        CompileOptions(value="nll")
+
+
 def test_precision_ablations():
     stats = low_calibration()
     no_floors = _precision(stats, 0.05, ablation="no_floors")
