@@ -50,7 +50,8 @@ RETAIN_HIGH, and the cache gets two precisions (`storage`): a slot pool at full 
 `high_window` entries and a block) and a block pool at `low_storage` (LOW: KIVI's 2-bit blocks, keys per channel).
 Tiers then follow the actions: 0 RELEASE (floor-protected entries 1), 1 RETAIN_LOW, 2 RETAIN_HIGH prompt entries,
 3 RETAIN_HIGH generated entries (generated RETAIN_LOW ones 1, RELEASE ones released as above). At prefill the prompt
-entries of tier >= 2 stay in slots (the window and the bytes permitting), the rest go down into blocks, lowest first;
+entries of tier >= 2 stay in slots (the window and the bytes permitting; with `fill_window` the highest-ranked
+entries of any tier), the rest go down into blocks, lowest first;
 at each step the running byte cap takes the lowest slot entries down a block (also when the slots are full), then
 releases the lowest entry or block, tier 0 first (with `release_first`, a tier-0 entry leaves before anything goes
 down). So the call being written and the structure the call needs stay at full precision, the rest at 2 bits, and
@@ -113,6 +114,7 @@ class PaskKV(KVMethod):
     low_storage: str = "kivi2"  # with actions: the block pool's format (LOW)
     low_group: int = 32  # with actions: tokens per LOW block (its keys' channel groups; channels per value group)
     release_first: bool = False  # with actions: RELEASE entries leave before anything goes down (default: go down)
+    fill_window: bool = False  # with actions: prefill leaves the highest-ranked entries of any tier in the window
 
     def __post_init__(self) -> None:
         if self.rank not in RANKS:
@@ -263,7 +265,9 @@ class PaskKV(KVMethod):
     def prefill_high(self, layer: int, scores: jax.Array, valid: jax.Array) -> jax.Array | None:
         if not self.action:
             return None
-        return jnp.sum(valid[:, None] & (scores >= HIGH_TIER * TIER * POSITION_RANGE), axis=-1, dtype=jnp.int32)
+        # fill_window: the bytes the HIGH entries leave pay for LOW entries at full precision until decode needs them
+        high = valid[:, None] if self.fill_window else valid[:, None] & (scores >= HIGH_TIER * TIER * POSITION_RANGE)
+        return jnp.sum(high, axis=-1, dtype=jnp.int32)
 
     def down_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
         if not self.action:

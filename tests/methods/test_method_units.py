@@ -516,3 +516,36 @@ def test_pask_actions_keep_released_buckets_at_low_precision_unless_released_fir
         _, caches, _ = engine.prefill(prompt[None], np.int32([len(prompt)]), roles[None], engine.capacities(64, 8))
         kept[release_first] = [int(np.asarray(c.length).sum() + (np.asarray(c.blocks.pos) >= 0).sum()) for c in caches]
     assert all(k > r for k, r in zip(kept[False], kept[True], strict=True))
+
+
+def test_pask_actions_fill_window_keeps_low_entries_at_full_precision_where_bytes_allow():
+    """With `fill_window`, prefill leaves the window full of the highest-ranked entries (HIGH first, then LOW by
+    rank); without it only the HIGH bucket's entries (the sink) sit in slots, besides the remainder of a block."""
+    from support import BUCKETS, LOW_GROUP, PROMPTS, ROLES, matrix_model
+
+    from pask_jax.policy_compiler import RETAIN_HIGH, RETAIN_LOW
+
+    action = [[RETAIN_LOW] * 2 for _ in range(num_roles())]
+    action[Role.SINK] = [RETAIN_HIGH] * 2
+    prompt, roles = np.asarray(PROMPTS[0], np.int32), np.asarray(ROLES[0], np.int32)
+    in_slots = {}
+    for fill in (False, True):
+        method = PaskKV(
+            action=tuple(map(tuple, action)),
+            layer_group=(0, 0, 1, 1),
+            high_window=8,
+            low_group=LOW_GROUP,
+            fill_window=fill,
+        )
+        engine = Engine(matrix_model(), method=method, budget=1.0, num_groups=2, length_buckets=BUCKETS)
+        _, caches, _ = engine.prefill(prompt[None], np.int32([len(prompt)]), roles[None], engine.capacities(64, 8))
+        in_slots[fill] = [np.asarray(c.length) for c in caches]
+        for cache in caches:  # nothing left out at budget 1
+            kept = np.asarray(cache.length).sum() + (np.asarray(cache.blocks.pos) >= 0).sum()
+            assert kept == len(prompt) * np.asarray(cache.length).size
+    # slots = what prefill leaves at full precision + the remainder that does not fill a block
+    sinks, window, n = int((roles == Role.SINK).sum()), 8, len(prompt)
+    expected = {False: sinks + (n - sinks) % LOW_GROUP, True: window + (n - window) % LOW_GROUP}
+    assert expected[True] > expected[False]
+    for fill, lengths in in_slots.items():
+        assert all((length == expected[fill]).all() for length in lengths), (fill, lengths)
