@@ -16,7 +16,8 @@ knapsack over tags, in bytes:
   INT2 everywhere does not fit, the table is INT2 everywhere (the running cap then takes the oldest entries).
 
 The method takes the table as its hyper-parameter `int4` (`pask_jax.methods.triaxialkv`), in a method config section
-that `triaxial_config` writes (`pask-jax triaxial-table`).
+that `triaxial_config` writes (`pask-jax triaxial-table --int2 STATS --int4 STATS --budget B --head-dim H --out
+FILE.toml`, then `pask-jax run --method triaxialkv --method-config FILE.toml`).
 """
 
 from __future__ import annotations
@@ -85,8 +86,12 @@ def compile_triaxial_bits(
     return tuple(chosen)
 
 
-def triaxial_config(int4: tuple[str, ...], label: str = "", note: str = "") -> str:
-    """A method config section (TOML) giving TriAxialKV its table: `[triaxialkv]`, or `["triaxialkv:LABEL"]`."""
+def triaxial_config(
+    int4: tuple[str, ...], label: str = "", note: str = "", group: int = 32, residual: int = 128
+) -> str:
+    """A method config section (TOML) giving TriAxialKV its table and the block and window it was compiled for:
+    `[triaxialkv]`, or `["triaxialkv:LABEL"]`."""
     section = f'["triaxialkv:{label}"]' if label else "[triaxialkv]"
     comment = f"# {note}\n" if note else ""
-    return f"{comment}{section}\nint4 = {json.dumps(list(int4))}\n"  # a JSON list of strings is a TOML array
+    table = json.dumps(list(int4))  # a JSON list of strings is a TOML array
+    return f"{comment}{section}\nint4 = {table}\ngroup = {group}\nresidual = {residual}\n"

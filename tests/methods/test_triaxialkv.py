@@ -140,3 +140,36 @@ def test_the_table_reaches_the_method_through_a_method_config(tmp_path):
     path.write_text(triaxial_config(("TOOL_NAMES",)))
     with pytest.raises(ValueError, match="unknown tag"):  # before any model loads
         resolve_spec("triaxialkv", load_method_config(path))
+
+
+def test_cli_writes_the_table_that_a_run_reads(tmp_path, capsys):
+    from pask_jax.cli import main
+    from pask_jax.policy_compiler import CalibrationStats
+
+    paths = {}
+    for bits, distortion in ((2, INT2_DISTORTION), (4, INT4_DISTORTION)):
+        ns = _stats(f"kivi{bits}", distortion)
+        stats = CalibrationStats(
+            **vars(ns),
+            task_error_strict=ns.task_error,
+            nll_delta=ns.task_error,
+            present=(ns.entries > 0).astype(np.int64),
+            baseline_error=0.0,
+            baseline_error_strict=0.0,
+            baseline_nll=1.0,
+            n_items=2,
+            skipped={},
+            wall_s=0.0,
+        )
+        paths[bits] = tmp_path / f"int{bits}.json"
+        stats.save(paths[bits])
+    out = tmp_path / "triaxial.toml"
+    table = ["triaxial-table", "--budget", "0.4", "--head-dim", str(HEAD_DIM), "--label", "b04", "--out", str(out)]
+    with pytest.raises(SystemExit) as done:
+        main([*table, "--int2", str(paths[2]), "--int4", str(paths[4])])
+    assert done.value.code == 0
+    expected = compile_triaxial_bits(*(CalibrationStats.load(paths[b]) for b in (2, 4)), 0.4, HEAD_DIM)
+    assert expected and TriAxialKV(**resolve_spec("triaxialkv:b04", load_method_config(out)).overrides).int4 == expected
+    with pytest.raises(SystemExit) as done:  # the statistics swapped: a clear error, status 2
+        main([*table, "--int2", str(paths[4]), "--int4", str(paths[2])])
+    assert done.value.code == 2 and "--low-storage kivi2" in capsys.readouterr().err
