@@ -18,6 +18,7 @@ from typing import NoReturn
 
 METHOD_NAMES = (
     *("full", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "dapq", "pask", "kivi", "int8", "fp8"),
+    "triaxialkv",
 )  # = methods.METHODS
 STORAGE_NAMES = ("bf16", "int8", "fp8", "int4")  # what `NAME@STORAGE` may store an eviction method's entries as
 LOW_STORAGE_NAMES = ("kivi2", "kivi4")  # `calibrate --low-storage`: the block formats (`storage.BLOCK_FORMATS`)

@@ -196,7 +196,7 @@ def decode_attention(
     *,
     use_kernel: bool = False,
 ) -> jax.Array:  # f[B, N, H]
-    """Decode attention of q to the live entries of one layer of a group cache: its slot pool and block pool.
+    """Decode attention of q to the live entries of one layer of a group cache: its slot pool and block pools.
 
     XLA path: the pools dequantized inside the step (a no-op at full precision), laid end to end, and attended over
     with the live mask (no gather). `use_kernel`: the Pallas kernels of `jax.default_backend()` (on CPU the TPU
@@ -231,8 +231,7 @@ def _pool_partials(qg: jax.Array, cache: GroupCache, layer: int) -> list[Softmax
         parts = [
             slot_pool_attention(qg, at(cache.k), at(cache.v), table, length, k_fmt=fmt, v_fmt=fmt, use_kernel=True)
         ]
-    if cache.blocks is not None:
-        blocks = cache.blocks
+    for blocks in cache.block_pools:
         key, value = blocks.formats
         parts.append(
             block_pool_attention(
@@ -277,12 +276,15 @@ def decode_attention_probs(
 
 
 def _pools(cache: GroupCache, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One layer's keys, values f[B, K, S, H] and live mask bool[B, K, S]: the slot pool, then the block pool."""
+    """One layer's keys, values f[B, K, S, H] and live mask bool[B, K, S]: the slot pool, then each block pool."""
     k, v = cache.slot_kv(layer)
     live = cache.pos[layer] >= 0
     if cache.blocks is None:
         return k, v, live
-    block_k, block_v = cache.blocks.dequantized(layer)
-    block_live = cache.blocks.live(layer).reshape(live.shape[0], live.shape[1], -1)
-    join = lambda a, c: jnp.concatenate([a.astype(jnp.float32), c.astype(jnp.float32)], axis=2)  # noqa: E731
-    return join(k, block_k).astype(k.dtype), join(v, block_v).astype(v.dtype), jnp.concatenate([live, block_live], 2)
+    keys, values, lives = [k], [v], [live]
+    for blocks in cache.block_pools:
+        block_k, block_v = blocks.dequantized(layer)
+        keys, values = keys + [block_k], values + [block_v]
+        lives.append(blocks.live(layer).reshape(live.shape[0], live.shape[1], -1))
+    join = lambda xs: jnp.concatenate([x.astype(jnp.float32) for x in xs], axis=2)  # noqa: E731
+    return join(keys).astype(k.dtype), join(values).astype(v.dtype), jnp.concatenate(lives, 2)

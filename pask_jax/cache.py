@@ -21,7 +21,8 @@ Entries are stored in the format `storage.slots` says (`pask_jax.storage`): full
 their scales, quantized as they are written. With `storage.blocks`, the group also has a block pool
 (`pask_jax.block_pool`): low-precision entries a block at a time, entering at prefill (whole blocks of the kept
 prompt, the oldest or those the method ranks lowest first) or by `take_down` (the oldest or lowest-ranked slot
-entries going down, KIVI's window flush).
+entries going down, KIVI's window flush). With `storage.second_blocks` it has a second block pool, and the caller
+says which pool each entry goes down into (TriAxialKV's tags); a block holds entries of its own pool only.
 
 Every array carries a leading layer axis Lg (the group's layers); `layer` arguments index it.
 
@@ -80,6 +81,7 @@ class GroupCache:
     length: jax.Array  # i32[Lg, B, K]    live slots
     overflow: jax.Array  # bool[]          a write found no free slot (the engine raises)
     blocks: BlockPool | None = None  # the low-precision block pool (`storage.blocks`), None without one
+    second_blocks: BlockPool | None = None  # the second block pool (`storage.second_blocks`), None without one
     # static (part of the tree structure): how K/V are stored; mesh axes of the sequence and KV-head dimensions
     storage: Storage = dataclasses.field(default=Storage(), metadata=dict(static=True))
     axes: tuple[str | None, str | None] = dataclasses.field(default=(None, None), metadata=dict(static=True))
@@ -87,6 +89,14 @@ class GroupCache:
     @property
     def capacity(self) -> int:
         return self.pos.shape[3]
+
+    @property
+    def block_pools(self) -> tuple[BlockPool, ...]:
+        """The block pools, in the order of `storage.block_pools` (an entry's pool index is its place here)."""
+        return tuple(pool for pool in (self.blocks, self.second_blocks) if pool is not None)
+
+    def with_block_pools(self, pools: list[BlockPool]) -> GroupCache:
+        return dataclasses.replace(self, **dict(zip(("blocks", "second_blocks"), pools, strict=False)))
 
     @classmethod
     def empty(
@@ -99,27 +109,34 @@ class GroupCache:
         dtype,
         axes: tuple[str | None, str | None] = (None, None),
         storage: Storage = Storage(),
-        blocks: int = 0,
+        blocks: int | tuple[int, ...] = 0,
     ) -> GroupCache:
-        """An empty cache: `capacity` slots and, with a block pool, `blocks` blocks per (layer, sequence, head)."""
+        """An empty cache: `capacity` slots and, with block pools, `blocks` blocks per (layer, sequence, head) in each
+        (one number for every pool, or one per pool)."""
         shape = (layers, batch, kv_heads, capacity)
         kv = quantize(jnp.zeros((*shape, head_dim), dtype), storage.slots)
-        return cls(
-            k=kv,
-            v=kv,
-            pos=jnp.full(shape, -1, jnp.int32),
-            role=jnp.zeros(shape, jnp.int8),
-            tool=jnp.full(shape, -1, jnp.int16),
-            score=jnp.zeros(shape, jnp.float32),
-            table=jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), shape),
-            length=jnp.zeros(shape[:-1], jnp.int32),
-            overflow=jnp.zeros((), bool),
-            blocks=None
-            if storage.blocks is None
-            else BlockPool.empty(layers, batch, kv_heads, max(blocks, 1), head_dim, storage.blocks),
-            storage=storage,
-            axes=axes,
-        ).constrain()
+        counts = (blocks,) * len(storage.block_pools) if isinstance(blocks, int) else blocks
+        pools = [
+            BlockPool.empty(layers, batch, kv_heads, max(n, 1), head_dim, formats)
+            for n, formats in zip(counts, storage.block_pools, strict=True)
+        ]
+        return (
+            cls(
+                k=kv,
+                v=kv,
+                pos=jnp.full(shape, -1, jnp.int32),
+                role=jnp.zeros(shape, jnp.int8),
+                tool=jnp.full(shape, -1, jnp.int16),
+                score=jnp.zeros(shape, jnp.float32),
+                table=jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), shape),
+                length=jnp.zeros(shape[:-1], jnp.int32),
+                overflow=jnp.zeros((), bool),
+                storage=storage,
+                axes=axes,
+            )
+            .with_block_pools(pools)
+            .constrain()
+        )
 
     def partition_specs(self) -> GroupCache:
         """The PartitionSpec of every array, as a GroupCache (sequence and KV-head dimensions per `axes`)."""
@@ -136,8 +153,7 @@ class GroupCache:
             table=P(*rows, None),
             length=P(*rows),
             overflow=P(),
-            blocks=None if self.blocks is None else self.blocks.partition_specs(self.axes),
-        )
+        ).with_block_pools([pool.partition_specs(self.axes) for pool in self.block_pools])
 
     def constrain(self) -> GroupCache:
         """Every array constrained to its `partition_specs` while a mesh is active (tracing); else unchanged."""
@@ -167,10 +183,11 @@ class GroupCache:
         tools: jax.Array | None = None,  # i32[B, P] the tool each prompt token describes (None: none)
         down: jax.Array | None = None,  # f32[B, K, P] with a block pool: the order entries go down (None: oldest first)
         high: jax.Array | None = None,  # i32[B, K] with a block pool: kept entries to leave in slots (None: 0)
+        pools: jax.Array | None = None,  # i32[B, P] with block pools: the pool each prompt entry goes into (None: 0)
     ) -> GroupCache:
         """Load the kept prompt entries of one layer (the cache must be empty): into slots 0..count-1, or with a
         block pool whole blocks of them, lowest in `down` first, into blocks (all but `high` of them and a
-        remainder) and the rest into slots."""
+        remainder; with two pools, whole blocks of each pool's entries into that pool) and the rest into slots."""
         kept_k = jnp.take_along_axis(k.transpose(0, 2, 1, 3), keep[..., None], axis=2)  # [B, K, n, H]
         kept_v = jnp.take_along_axis(v.transpose(0, 2, 1, 3), keep[..., None], axis=2)
         kept_pos = jnp.take_along_axis(positions[:, None], keep, axis=2)  # [B, K, n]
@@ -183,7 +200,8 @@ class GroupCache:
         cache = self
         if self.blocks is not None:
             order = kept_pos if down is None else jnp.take_along_axis(down, keep, axis=2)
-            cache, kept, count = self._fill_blocks(layer, kept, count, order, 0 if high is None else high)
+            kept_pool = jnp.zeros_like(keep) if pools is None else jnp.take_along_axis(pools[:, None], keep, axis=2)
+            cache, kept, count = self._fill_blocks(layer, kept, count, order, 0 if high is None else high, kept_pool)
         kept_k, kept_v, kept_pos, kept_role, kept_tool, kept_score = kept
         n = keep.shape[-1] if self.blocks is None else kept_pos.shape[-1]
         if n > self.capacity:
@@ -202,23 +220,29 @@ class GroupCache:
             length=self.length.at[layer].set(count),
         )
 
-    def _fill_blocks(self, layer: int, kept: list[jax.Array], count: jax.Array, order: jax.Array, high):
-        """The block pool's share of a fill: the kept entries (each [B, K, n, ...]) lowest in `order` (f[B, K, n])
-        first, whole blocks of all but `high` (i32[B, K]) of them into blocks -> (the cache, the entries left for the
-        slots, how many of them are real)."""
+    def _fill_blocks(
+        self, layer: int, kept: list[jax.Array], count: jax.Array, order: jax.Array, high, pool: jax.Array
+    ):
+        """The block pools' share of a fill: the kept entries (each [B, K, n, ...]) lowest in `order` (f[B, K, n])
+        first, of each pool's entries (`pool` i32[B, K, n]) whole blocks of all but `high` (i32[B, K]) of them into
+        that pool -> (the cache, the entries left for the slots in that order, how many of them are real)."""
         n, block = kept[2].shape[-1], self.storage.block
-        down_first = jnp.argsort(jnp.where(jnp.arange(n) < count[..., None], order, jnp.inf))
-        kept = [_take(x, down_first) for x in kept]
-        whole = min(n // block, self.blocks.blocks)  # blocks the static shapes can fill
-        blocks = jnp.minimum(jnp.maximum(count - high, 0) // block, whole)  # i32[B, K]
-        cache = self
-        if whole:  # a prompt shorter than a block keeps it all in slots
-            down = whole * block
-            cache = dataclasses.replace(
-                self, blocks=self.blocks.fill(layer, *(x[:, :, :down] for x in kept[:4]), blocks)
-            )
-        rest = jnp.minimum((blocks * block)[..., None] + jnp.arange(min(n, self.capacity)), n - 1)  # [B, K, c]
-        return cache, [_take(x, rest) for x in kept], count - blocks * block
+        real = jnp.arange(n) < count[..., None]  # bool[B, K, n]: after the sort below too (padding sorts last)
+        down_first = jnp.argsort(jnp.where(real, order, jnp.inf))
+        kept, pool = [_take(x, down_first) for x in kept], _take(pool, down_first)
+        in_block = jnp.zeros(pool.shape, bool)  # bool[B, K, n]: the entries that went into a block
+        pools = []
+        for p, blocks in enumerate(self.block_pools):
+            mine = pool == p  # bool[B, K, n]
+            whole = min(n // block, blocks.blocks)  # blocks the static shapes can fill
+            filled = jnp.minimum(jnp.maximum(jnp.sum(mine & real, -1) - high, 0) // block, whole)  # i32[B, K]
+            if whole:  # a prompt shorter than a block keeps it all in slots
+                mine_first = jnp.argsort(~mine, axis=-1, stable=True)[..., : whole * block]  # in `order`
+                blocks = blocks.fill(layer, *(_take(x, mine_first) for x in kept[:4]), filled)
+            in_block |= mine & (jnp.cumsum(mine, axis=-1) <= (filled * block)[..., None])
+            pools.append(blocks)
+        rest = jnp.argsort(in_block, axis=-1, stable=True)[..., : min(n, self.capacity)]  # the others, in `order`
+        return self.with_block_pools(pools), [_take(x, rest) for x in kept], count - in_block.sum(-1)
 
     def write(
         self,
@@ -276,20 +300,34 @@ class GroupCache:
             pos=_set_slots(self.pos, layer, jnp.where(do, slot, drop), jnp.full(slot.shape, -1, jnp.int32), self.axes),
         )
 
-    def take_down(self, layer: int, do: jax.Array, order: jax.Array | None = None) -> GroupCache:
-        """Move the `block` live slot entries lowest in `order` (f32[B, K, C]; None: the going) of each (sequence,
+    def take_down(
+        self, layer: int, do: jax.Array, order: jax.Array | None = None, pool: jax.Array | None = None
+    ) -> GroupCache:
+        """Move the `block` live slot entries lowest in `order` (f32[B, K, C]; None: the oldest) of each (sequence,
         head) in `do` (bool[B, K]) into a free block of the block pool (keys re-quantized per channel over the
-        block): KIVI's flush of its full-precision window. Where fewer than `block` slots are live, or no block is
-        free, nothing moves."""
-        blocks, block = self.blocks, self.storage.block
-        do = do & (self.length[layer] >= block) & (blocks.count[layer] < blocks.blocks)
+        block): KIVI's flush of its full-precision window. With two pools, `pool` (i32[B, K, C]; None: 0) says which
+        pool each slot entry goes into, and the block is of the pool whose lowest entry is lowest among those with a
+        block of live entries and a free block. Where no pool has both, nothing moves."""
+        block = self.storage.block
         pos = self.pos[layer]  # [B, K, C]
         order = pos.astype(jnp.float32) if order is None else order
-        going = jnp.argsort(jnp.where(pos >= 0, order, jnp.inf), axis=-1)[..., :block]  # i32[B, K, T]
+        ranked = jnp.where(pos >= 0, order, jnp.inf)  # f32[B, K, C]
+        pool = jnp.zeros(pos.shape, jnp.int32) if pool is None else pool
+        ready, lowest = [], []  # per pool, bool[B, K] and f32[B, K]
+        for p, blocks in enumerate(self.block_pools):
+            mine = (pool == p) & (pos >= 0)
+            ready.append((mine.sum(-1) >= block) & (blocks.count[layer] < blocks.blocks))
+            lowest.append(jnp.where(ready[-1], jnp.min(jnp.where(mine, ranked, jnp.inf), -1), jnp.inf))
+        target = jnp.argmin(jnp.stack(lowest, -1), axis=-1)  # i32[B, K]: the pool the block goes into
+        do = do & jnp.take_along_axis(jnp.stack(ready, -1), target[..., None], axis=-1)[..., 0]
+        going = jnp.argsort(jnp.where(pool == target[..., None], ranked, jnp.inf), axis=-1)[..., :block]  # [B, K, T]
         k, v = self.slot_kv(layer)
         picked = [jnp.take_along_axis(x, going[..., None], axis=2) for x in (k, v)]  # f[B, K, T, H]
         picked_pos, picked_role = (jnp.take_along_axis(x[layer], going, axis=2) for x in (self.pos, self.role))
-        blocks = blocks.append(layer, *picked, picked_pos, picked_role.astype(jnp.int32), do)
+        pools = [
+            blocks.append(layer, *picked, picked_pos, picked_role.astype(jnp.int32), do & (target == p))
+            for p, blocks in enumerate(self.block_pools)
+        ]
         rows, heads = jnp.arange(pos.shape[0])[:, None, None], jnp.arange(pos.shape[1])[None, :, None]
         freed = self.pos.at[layer, rows, heads, jnp.where(do[..., None], going, self.capacity)].set(-1, mode="drop")
         # the table keeps its live slots first, in the order they entered: a stable sort on "freed"
@@ -298,11 +336,10 @@ class GroupCache:
         table = jnp.where(do[..., None], jnp.take_along_axis(table, order, axis=-1), table)
         return dataclasses.replace(
             self,
-            blocks=blocks,
             pos=freed,
             table=self.table.at[layer].set(table),
             length=self.length.at[layer].add(-block * do.astype(jnp.int32)),
-        )
+        ).with_block_pools(pools)
 
     def insert_rows(self, other: GroupCache, rows: jax.Array) -> GroupCache:
         """Replace sequence rows `rows` (i32[b]) with `other`'s b rows (same layers, heads, capacity and storage), as
@@ -315,7 +352,7 @@ class GroupCache:
         def put(x: jax.Array, y: jax.Array) -> jax.Array:  # axis 1 is the sequence in every per-row array
             return x.at[:, rows].set(y, mode="drop")
 
-        fields = ("k", "v", "pos", "role", "tool", "score", "table", "length", "blocks")
+        fields = ("k", "v", "pos", "role", "tool", "score", "table", "length", "blocks", "second_blocks")
         return dataclasses.replace(
             self,
             **{name: jax.tree.map(put, getattr(self, name), getattr(other, name)) for name in fields},

@@ -241,6 +241,29 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         )
 
 
+def cmd_triaxial_table(args: argparse.Namespace) -> None:
+    """Statistics calibrated at INT2 and at INT4 (`calibrate --low-storage kivi2`, `kivi4`) -> TriAxialKV's tag table
+    at a budget, written as a method config section (`run --method triaxialkv[:LABEL] --method-config OUT`)."""
+    from pask_jax.policy_compiler import CalibrationStats
+    from pask_jax.triaxial_table import compile_triaxial_bits, triaxial_config
+
+    stats = [CalibrationStats.load(path) for path in (args.int2, args.int4)]
+    int4 = compile_triaxial_bits(*stats, args.budget, args.head_dim, args.group, args.residual)
+    note = f"TriAxialKV at budget {args.budget:g}, head_dim {args.head_dim}, from {args.int2} and {args.int4}"
+    Path(args.out).write_text(triaxial_config(int4, args.label, note, args.group, args.residual))
+    method = f"triaxialkv:{args.label}" if args.label else "triaxialkv"
+    print(
+        f"{args.out}: INT4 for {', '.join(int4) or 'no tag (INT2 everywhere)'}; run it with --method {method} "
+        f"--method-config {args.out} --budget {args.budget:g}"
+    )
+
+
+def _check_triaxial_table(args: argparse.Namespace) -> None:
+    input_file(args.int2, "--int2")
+    input_file(args.int4, "--int4")
+    output_file(args.out, "--out")
+
+
 def main(argv: list[str] | None = None) -> None:
     from pask_jax.calibration.compiler import ABLATIONS, ACTION_VALUES
     from pask_jax.experiments.commands import add_calibration_suite_options, add_commands
@@ -362,6 +385,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="policy directory, e.g. policies/my-model")
     p.set_defaults(func=cmd_calibrate, check=_check_calibrate)
     add_calibration_suite_options(p)
+    p = sub.add_parser("triaxial-table", help="TriAxialKV's tag table from INT2 and INT4 statistics, at a budget")
+    p.add_argument("--int2", required=True, help="statistics (stats.json) calibrated with --low-storage kivi2")
+    p.add_argument("--int4", required=True, help="statistics (stats.json) calibrated with --low-storage kivi4")
+    p.add_argument("--budget", required=True, type=budget_value, help="total KV budget in bytes, in (0, 1]")
+    p.add_argument("--head-dim", required=True, type=int_at_least(1), help="the model's head_dim (entry bytes)")
+    p.add_argument("--group", default=32, type=int_at_least(1), help="tokens per KIVI block (default 32)")
+    p.add_argument("--residual", default=128, type=int_at_least(1), help="full-precision window (default 128)")
+    p.add_argument("--label", default="", help="write the section as triaxialkv:LABEL (default: triaxialkv)")
+    p.add_argument("--out", required=True, help="method config file (TOML) to write")
+    p.set_defaults(func=cmd_triaxial_table, check=_check_triaxial_table)
     add_commands(sub, DEFAULT_MODEL)
     args = parser.parse_args(argv)
     try:

@@ -43,8 +43,8 @@ def resolve_spec(
     spec: str, method_config: Mapping[str, dict], policies: Mapping[str, PersistencePolicy] | None = None
 ) -> MethodSpec:
     """`NAME` or `NAME:LABEL` -> its MethodSpec: hyper-parameters from the method's config section, then the spec's
-    own; PASK's policy labelled LABEL, else the one labelled "pask". ValueError for an unknown method or a label with
-    neither a config section nor a policy."""
+    own; PASK's policy labelled LABEL, else the one labelled "pask". ValueError for an unknown method, a label with
+    neither a config section nor a policy, or hyper-parameters the method refuses."""
     policies = policies or {}
     base, _, storage = spec.partition("@")
     if storage:
@@ -59,7 +59,9 @@ def resolve_spec(
             f"the config's {name} variants: {variants}"
         )
     policy = policies.get(label, policies.get("pask")) if name == "pask" else None
-    return MethodSpec(name, label, method_config.get(name, {}) | method_config.get(base, {}), policy, storage)
+    overrides = method_config.get(name, {}) | method_config.get(base, {})
+    make_method(name, overrides)  # a bad hyper-parameter (a name, a value) is an error here, before any model loads
+    return MethodSpec(name, label, overrides, policy, storage)
 
 
 def make_engine(

@@ -3,7 +3,9 @@
 A layer group's cache has a **slot pool** (one entry per slot, any slot freed or reused on its own) stored in a
 per-token format -- bf16 / f32, int8 or fp8 per token and KV head, or int4 / int2 over groups of channels -- and,
 optionally, a **block pool** (`pask_jax.block_pool`) whose entries are written `block` at a time in a format whose
-keys are quantized per channel over the block (KIVI's keys), values per token. `Storage` names the two.
+keys are quantized per channel over the block (KIVI's keys), values per token, and a second block pool in another
+such format (TriAxialKV's INT4 and INT2 blocks: the method says which pool an entry goes down into). `Storage` names
+them.
 
 The budget b is in bytes: the bytes the cache holds for a sequence over the bytes of a full bf16 K/V cache of the
 same length (2 bytes an element, no metadata). Every byte an entry holds counts: its codes, its share of scales and
@@ -33,7 +35,8 @@ def full_entry_bytes(head_dim: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Storage:
-    """A layer group's storage: the slot pool's format and, optionally, the block pool's (key, value) formats.
+    """A layer group's storage: the slot pool's format and, optionally, the block pool's (key, value) formats and a
+    second block pool's (blocks of the same length).
 
     `window`: with a block pool, the entries the slot pool holds at full precision before its oldest `block` go
     down into a block (KIVI's residual length R); the cap may take them down sooner.
@@ -41,19 +44,29 @@ class Storage:
 
     slots: KVFormat = FULL
     blocks: tuple[KVFormat, KVFormat] | None = None
+    second_blocks: tuple[KVFormat, KVFormat] | None = None
     window: int = 0
 
     def __post_init__(self) -> None:
         if self.slots.axis == "channel":
             raise ValueError("the slot pool stores entries one by one: its format must be per token, not per channel")
-        if self.blocks is not None:
-            key, value = self.blocks
+        for key, value in self.block_pools:
             if value.axis == "channel":
                 raise ValueError("block-pool values are quantized per token")
             if key.axis != "channel" or key.group < 1:
                 raise ValueError("block-pool keys are quantized per channel over the block: give a channel format")
-        elif self.window:
-            raise ValueError("a full-precision window needs a block pool to flush into")
+        if self.blocks is None and (self.window or self.second_blocks is not None):
+            raise ValueError("a full-precision window or a second block pool needs a block pool")
+        if self.second_blocks is not None:
+            if self.second_blocks[0].group != self.block:
+                raise ValueError("the two block pools take blocks of the same length")
+            if self.window < self.block:  # so a full window always holds a whole block of one pool's entries
+                raise ValueError(f"two block pools need a window of at least a block ({self.block}), not {self.window}")
+
+    @property
+    def block_pools(self) -> tuple[tuple[KVFormat, KVFormat], ...]:
+        """The (key, value) formats of each block pool: none, one or two."""
+        return tuple(pool for pool in (self.blocks, self.second_blocks) if pool is not None)
 
     @property
     def block(self) -> int:
@@ -69,7 +82,7 @@ class Storage:
     def name(self) -> str:
         """The storage as a method spec names it (`snapkv@int8`): a preset name, or bf16 for full precision."""
         if self.blocks is not None:
-            return f"kivi{self.blocks[0].bits}"
+            return "+".join(f"kivi{key.bits}" for key, _ in self.block_pools)
         for preset, formats in PRESETS.items():
             if formats == (self.slots, self.slots):
                 return "bf16" if preset == "full" else preset
@@ -107,10 +120,11 @@ class Storage:
         for, its LOW precision in the block pool and its HIGH in the slot pool (`CompileOptions.entry_bytes`)."""
         return full_entry_bytes(head_dim), self.block_entry_bytes(head_dim), self.slot_entry_bytes(head_dim)
 
-    def block_entry_bytes(self, head_dim: int) -> float:
-        """Bytes one block-pool entry holds, its share of the block's scales, zeros and table entry included."""
-        if self.blocks is None:
-            raise ValueError("this storage has no block pool")
-        key, value = self.blocks
+    def block_entry_bytes(self, head_dim: int, pool: int = 0) -> float:
+        """Bytes one entry of block pool `pool` holds, its share of the block's scales, zeros and table entry
+        included."""
+        if pool >= len(self.block_pools):
+            raise ValueError(f"this storage has no block pool {pool}")
+        key, value = self.block_pools[pool]
         payload = bytes_per_token(key, head_dim) + bytes_per_token(value, head_dim)
         return payload + BLOCK_ENTRY_METADATA_BYTES + BLOCK_TABLE_BYTES / self.block

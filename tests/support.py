@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from pask_jax.calibration.compiler import compile_policy
-from pask_jax.methods import KIVI, METHODS, DapQ, KVMethod, PaskKV, PyramidKV, SnapKV
+from pask_jax.methods import KIVI, METHODS, DapQ, KVMethod, PaskKV, PyramidKV, SnapKV, TriAxialKV
 from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.rows import Generation
@@ -89,12 +89,19 @@ ACTION_POLICY = compile_policy(  # precision actions for the matrix model (head_
 # one method (a small SnapKV window, DapQ's content choices, PASK with a synthetic policy or DapQ ranking) are cases.
 CASES: dict[str, Callable[[float], KVMethod]] = {
     # every method at its defaults, but fp8 (int8's per-token slot path in another format, checked in
-    # tests/runtime/test_storage.py) and kivi (its 32-token blocks never fill on these prompts: kivi_group8 does)
-    **{name: (lambda budget, cls=cls: cls()) for name, cls in METHODS.items() if name not in ("fp8", "kivi")},
+    # tests/runtime/test_storage.py) and kivi / triaxialkv (their 32-token blocks never fill on these prompts: the
+    # group-8 cases do)
+    **{
+        name: (lambda budget, cls=cls: cls())
+        for name, cls in METHODS.items()
+        if name not in ("fp8", "kivi", "triaxialkv")
+    },
     "snapkv_window8_avg": lambda budget: SnapKV(window=8, pooling="avg"),
     "pyramidkv_window4": lambda budget: PyramidKV(window=4),
     "pyramidkv_window_inside": lambda budget: PyramidKV(window=4, allotment="pyramid"),
     "kivi_group8": lambda budget: KIVI(group=8, residual=8),  # blocks and window flushes within PROMPTS + NEW
+    # two block pools: the prompt's USER_TEXT and what is generated (role 0 without a grammar) at INT4, the rest INT2
+    "triaxialkv_group8": lambda budget: TriAxialKV(int4=("USER_TEXT", "TEMPLATE"), group=8, residual=8),
     "dapq_last": lambda budget: DapQ(content="last", num_pseudo=8),
     "dapq_random": lambda budget: DapQ(content="random", num_pseudo=8),
     "dapq_max_pooled": lambda budget: DapQ(num_pseudo=8, pooling="max"),

@@ -16,10 +16,12 @@ from pask_jax.methods.pyramidkv import PyramidKV
 from pask_jax.methods.random_kv import RandomKV
 from pask_jax.methods.snapkv import SnapKV
 from pask_jax.methods.streamingllm import StreamingLLM
+from pask_jax.methods.triaxialkv import TriAxialKV
 
 DEFAULT_METHOD_CONFIG = importlib.resources.files("pask_jax") / "configs" / "methods.toml"
 METHODS: dict[str, type[KVMethod]] = {
-    m.name: m for m in (FullKV, RandomKV, StreamingLLM, H2O, SnapKV, PyramidKV, DapQ, PaskKV, KIVI, Int8KV, FP8KV)
+    m.name: m
+    for m in (FullKV, RandomKV, StreamingLLM, H2O, SnapKV, PyramidKV, DapQ, PaskKV, KIVI, Int8KV, FP8KV, TriAxialKV)
 }
 
 
@@ -75,6 +77,7 @@ __all__ = [
     "RandomKV",
     "SnapKV",
     "StreamingLLM",
+    "TriAxialKV",
     "load_method_config",
     "make_method",
 ]

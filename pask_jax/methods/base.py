@@ -19,7 +19,8 @@ A method is a small object whose hooks run inside the engine's jitted prefill an
 - With a block pool (`storage`: KIVI, PASK with precision actions), `prefill_high` (prompt entries that stay at full
   precision in the slot pool at prefill), `down_priority` (which slot entries go down to the block pool first),
   `release_line` (slot entries ranked below it leave before anything goes down) and `block_entry_priority` (what a
-  block's entries are worth, a block leaving whole).
+  block's entries are worth, a block leaving whole); with two block pools (TriAxialKV), `block_pool` (which pool an
+  entry goes down into).
 """
 
 from __future__ import annotations
@@ -135,6 +136,11 @@ class KVMethod:
         precision in the slot pool after prefill (the window permitting), the rest going into whole blocks. Default
         None: as many whole blocks as the bytes allow, the remainder staying in slots (KIVI)."""
         return None
+
+    def block_pool(self, role: jax.Array) -> jax.Array:
+        """i32 (the shape of `role`): the block pool (its index in `Storage.block_pools`) an entry of each role goes
+        down into. Default: the first."""
+        return jnp.zeros(role.shape, jnp.int32)
 
     def release_line(self, layer: int) -> float:
         """Slot entries whose eviction priority is below this leave the cache before any entry goes down to the block

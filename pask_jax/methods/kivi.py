@@ -27,6 +27,12 @@ from pask_jax.storage import Storage, full_entry_bytes
 BITS = (4, 2)  # widest first
 
 
+def kivi_formats(bits: int, group: int, head_dim: int) -> tuple[KVFormat, KVFormat]:
+    """(key, value) formats at `bits`: keys per channel over `group` tokens, values per token over `group` channels
+    (at most head_dim)."""
+    return KVFormat(bits, "int", "channel", group), KVFormat(bits, "int", "token", min(group, head_dim))
+
+
 @dataclasses.dataclass(frozen=True)
 class KIVI(KVMethod):
     name: ClassVar[str] = "kivi"
@@ -42,8 +48,7 @@ class KIVI(KVMethod):
             raise ValueError(f"kivi needs group >= 1 and residual >= 0, got {self.group}, {self.residual}")
 
     def formats(self, bits: int, head_dim: int) -> tuple[KVFormat, KVFormat]:
-        """(key, value) formats at `bits`: keys per channel over `group` tokens, values per token."""
-        return KVFormat(bits, "int", "channel", self.group), KVFormat(bits, "int", "token", min(self.group, head_dim))
+        return kivi_formats(bits, self.group, head_dim)
 
     def widest_bits(self, budget: float, head_dim: int) -> int:
         """The most bits whose entries, metadata included, fit `budget` of the bf16 reference (2 if none does)."""

@@ -8,7 +8,8 @@ reference (at head_dim 64, 271 bytes for 256), an int8 one about half, a KIVI-2 
 
 The decode step keeps, per (layer, sequence, KV head), `held_bytes <= allowance(P + t) * full_entry_bytes` after each
 token (the token being written is the slack). With a block pool it first takes the oldest slot entries down a block
-(the window shrinking) and only then lets an entry -- or a whole block -- leave.
+(the window shrinking) and only then lets an entry -- or a whole block -- leave. With two block pools each pool's
+blocks cost their own bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pask_jax.cache import GroupCache
 from pask_jax.methods.base import SLACK, KVMethod
 from pask_jax.storage import Storage, full_entry_bytes
 
@@ -50,17 +52,29 @@ class ByteBudget:
 
     @property
     def block_bytes(self) -> float:
-        """Bytes of one whole block of the block pool."""
-        return self.storage.block * self.storage.block_entry_bytes(self.head_dim)
+        """Bytes of one whole block of the (first) block pool."""
+        return self.pool_block_bytes[0]
+
+    @property
+    def pool_block_bytes(self) -> tuple[float, ...]:
+        """Bytes of one whole block of each block pool."""
+        pools = range(len(self.storage.block_pools))
+        return tuple(self.storage.block * self.storage.block_entry_bytes(self.head_dim, p) for p in pools)
 
     def slot_entries(self, allowance):
         """Slot entries (before the floor) an allowance of `allowance` reference entries pays for."""
         return allowance * self.full_bytes / self.slot_bytes if self.capped else allowance
 
-    def held(self, slots: jax.Array, blocks: jax.Array | int = 0) -> jax.Array:
-        """Bytes of `slots` slot entries and `blocks` blocks."""
+    def held(self, slots: jax.Array, *blocks: jax.Array | int) -> jax.Array:
+        """Bytes of `slots` slot entries and `blocks[p]` blocks of each block pool p."""
         held = slots * self.slot_bytes
-        return held if self.storage.blocks is None else held + blocks * self.block_bytes
+        for count, block_bytes in zip(blocks, self.pool_block_bytes, strict=False):
+            held = held + count * block_bytes
+        return held
+
+    def cache_held(self, cache: GroupCache, layer: int) -> jax.Array:
+        """f32[B, K]: bytes one layer of a group cache holds per (sequence, KV head), from its own lengths."""
+        return self.held(cache.length[layer], *(pool.count[layer] for pool in cache.block_pools))
 
     def slot_capacity(self, allowance: float, full: int) -> int:
         """Slots a layer allowed `allowance` reference entries at its final full length `full` needs."""
@@ -68,14 +82,14 @@ class ByteBudget:
             return min(math.ceil(round(float(self.slot_entries(allowance)), 6)), full) + SLACK
         return min(self.storage.window + self.storage.block, full) + SLACK  # the window and one block to go down
 
-    def block_capacity(self, allowance: float, full: int) -> int:
-        """Blocks of the block pool a layer allowed `allowance` reference entries at full length `full` needs."""
+    def block_capacity(self, allowance: float, full: int, pool: int = 0) -> int:
+        """Blocks of block pool `pool` a layer allowed `allowance` reference entries at full length `full` needs."""
         if self.storage.blocks is None:
             return 0
         whole = -(-full // self.storage.block)
         if not self.capped:
             return whole
-        return min(whole, math.floor(allowance * self.full_bytes / self.block_bytes)) + 1
+        return min(whole, math.floor(allowance * self.full_bytes / self.pool_block_bytes[pool])) + 1
 
     def prefill_count(
         self,
@@ -101,6 +115,24 @@ class ByteBudget:
         spare = jnp.floor((limit - blocks * self.block_bytes) / self.slot_bytes).astype(jnp.int32)
         rest = jnp.minimum(jnp.minimum(spare, block - 1), available - blocks * block)
         return jnp.where(if_all, available, blocks * block + rest)
+
+    def tagged_prefill_count(self, allowance: jax.Array, available: jax.Array, pools: jax.Array) -> jax.Array:
+        """i32[B, K]: with two block pools, the most of the best-ranked prompt entries (`pools` i32[B, K, n]: the pool
+        of each candidate, best first) whose whole blocks in each pool plus the remainders in slots fit the bytes of
+        `allowance` (f[B, 1]) reference entries; at most `available` (i32[B, 1]). The bytes are not monotone in the
+        entries kept (a completed block costs less than its entries in slots): the largest count that fits."""
+        n = pools.shape[-1]
+        taken = jnp.arange(1, n + 1)  # i32[n]: candidates kept
+        if not self.capped:
+            return jnp.broadcast_to(jnp.minimum(available, n), pools.shape[:2])
+        held = jnp.zeros(pools.shape, jnp.float32)
+        in_blocks = jnp.zeros(pools.shape, jnp.int32)
+        for p, block_bytes in enumerate(self.pool_block_bytes):
+            whole = jnp.cumsum(pools == p, axis=-1) // self.storage.block  # i32[B, K, n]: this pool's blocks
+            held, in_blocks = held + whole * block_bytes, in_blocks + whole * self.storage.block
+        held = held + (taken - in_blocks) * self.slot_bytes
+        fits = (held <= (allowance * self.full_bytes)[..., None]) & (taken <= available[..., None])
+        return jnp.max(jnp.where(fits, taken, 0), axis=-1).astype(jnp.int32)
 
     def prefill_slots(
         self, allowance: jax.Array, available: jax.Array, high: jax.Array, retained: jax.Array

@@ -14,13 +14,14 @@ import numpy as np
 
 from pask_jax.structure.roles import NO_TOOL
 
-# A layer group's pool sizes: slots per (layer, sequence, KV head), or (slots, blocks) with a block pool.
-Capacity = int | tuple[int, int]
+# A layer group's pool sizes: slots per (layer, sequence, KV head), or (slots, blocks of each block pool) with block
+# pools: (slots, blocks) with one, (slots, blocks, second pool's blocks) with two.
+Capacity = int | tuple[int, ...]
 
 
-def pool_sizes(capacity: Capacity) -> tuple[int, int]:
-    """(slots, blocks) of a layer group's `Capacity`."""
-    return (capacity, 0) if isinstance(capacity, int) else capacity
+def pool_sizes(capacity: Capacity) -> tuple[int, tuple[int, ...]]:
+    """(slots, the blocks of each block pool) of a layer group's `Capacity`."""
+    return (capacity, ()) if isinstance(capacity, int) else (capacity[0], tuple(capacity[1:]))
 
 
 # Prompt length buckets: steps of 1.5x keep padding under a third while bounding the number of compiles.
@@ -79,7 +80,7 @@ class BatchShape:
     padded_rows: int  # rows of every array: `padded_batch(rows, data size)`
     prompt_bucket: int  # prompt positions: the longest prompt's `length_bucket`
     new_token_bucket: int  # new tokens the caches are sized for: `new_token_bucket(max_new_tokens)`
-    capacities: tuple[Capacity, ...]  # per layer group: slots per (layer, sequence, KV head), or (slots, blocks)
+    capacities: tuple[Capacity, ...]  # per layer group: slots per (layer, sequence, KV head), or (slots, blocks...)
 
     def pad(
         self, prompts: Sequence[Sequence[int]], prompt_roles: Sequence[Sequence[int]] | None = None

@@ -96,19 +96,18 @@ class StepPlan:
         raise IndexError(layer)
 
     def capacities(self, prompt_bucket: int, new_tokens: int) -> tuple[Capacity, ...]:
-        """Per layer group, the largest need among its layers: slots per (layer, sequence, KV head), or with a block
-        pool (slots, blocks)."""
+        """Per layer group, the largest need among its layers: slots per (layer, sequence, KV head), or with block
+        pools (slots, blocks of each pool)."""
         full = prompt_bucket + new_tokens  # the allowance grows with the full length: its end bounds every step
         budget = self.bytes
 
         def need(start: int, stop: int) -> Capacity:
             allowances = [self.allowance(layer, np.float64(full)) for layer in range(start, stop)]
             slots = max(budget.slot_capacity(a, full) for a in allowances)
-            return (
-                slots
-                if self.storage.blocks is None
-                else (slots, max(budget.block_capacity(a, full) for a in allowances))
-            )
+            if self.storage.blocks is None:
+                return slots
+            pools = range(len(self.storage.block_pools))
+            return (slots, *(max(budget.block_capacity(a, full, p) for a in allowances) for p in pools))
 
         return tuple(need(start, stop) for start, stop in self.groups)
 
@@ -134,12 +133,10 @@ class StepPlan:
     def kept(self, caches: list[GroupCache]) -> Kept:
         """Entries and bytes each row holds, over layers and KV heads."""
         entries = sum(c.length.sum(axis=(0, 2)) for c in caches)  # i32[B]
-        held = sum(
-            self.bytes.held(c.length, 0 if c.blocks is None else c.blocks.count).sum(axis=(0, 2)) for c in caches
-        )
+        held = sum(self.bytes.held(c.length, *(pool.count for pool in c.block_pools)).sum(axis=(0, 2)) for c in caches)
         for c in caches:
-            if c.blocks is not None:
-                entries += (c.blocks.pos >= 0).sum(axis=(0, 2, 3, 4))
+            for pool in c.block_pools:
+                entries += (pool.pos >= 0).sum(axis=(0, 2, 3, 4))
         return Kept(entries, jnp.asarray(held, jnp.float32))
 
     def fill(self, kv, scores, ctx: PrefillContext, capacities: tuple[Capacity, ...]):
@@ -149,8 +146,8 @@ class StepPlan:
         for layer, (k, v) in enumerate(kv):
             g, li = self._layer_slot(layer)
             slots, blocks = pool_sizes(capacities[g])
-            n_keep = min(t, slots + blocks * self.storage.block)
-            down = high = None
+            n_keep = min(t, slots + sum(blocks) * self.storage.block)
+            down = high = pools = None
             if self.storage.blocks is not None:  # which kept entries stay at full precision
                 high = self.method.prefill_high(layer, scores[layer], ctx.valid)  # i32[B, K] or None
                 shape = scores[layer].shape  # (B, K, T)
@@ -163,19 +160,26 @@ class StepPlan:
                     ctx.lengths,
                 )
             allowance, available = self.allowance(layer, ctx.lengths)[:, None], ctx.lengths[:, None]  # [B, 1]
+            ranked = jnp.where(ctx.valid[:, None], scores[layer], -jnp.inf)  # padding never kept
+            best = per_row_shards(lambda r, n=n_keep: jax.lax.top_k(r, n)[1].astype(jnp.int32), caches[g].axes)
+            keep = best(ranked)  # [B, K, n_keep], best first (on a mesh: each device ranks its own rows)
             retained = None
             if high is not None:  # the entries above the release line: all of them go down before one leaves
                 above = scores[layer] >= self.method.release_line(layer)
                 retained = jnp.sum(ctx.valid[:, None] & above, axis=-1, dtype=jnp.int32)  # i32[B, K]
-            quota = jnp.maximum(self.bytes.prefill_count(allowance, available, high, retained), 1)  # i32[B, K or 1]
+            if self.storage.second_blocks is not None:  # what the bytes hold depends on each kept entry's pool
+                if high is not None:
+                    raise ValueError(f"{self.method.name}: entries kept at full precision need a single block pool")
+                pools = self.method.block_pool(ctx.roles)  # i32[B, T]
+                kept_pools = jnp.take_along_axis(pools[:, None], keep, axis=2)  # i32[B, K, n_keep], best first
+                quota = jnp.maximum(self.bytes.tagged_prefill_count(allowance, available, kept_pools), 1)
+            else:
+                quota = jnp.maximum(self.bytes.prefill_count(allowance, available, high, retained), 1)  # [B, K or 1]
             if high is not None:
                 high = self.bytes.prefill_slots(allowance, available, high, retained)  # what the slots hold
-            ranked = jnp.where(ctx.valid[:, None], scores[layer], -jnp.inf)  # padding never kept
-            best = per_row_shards(lambda r, n=n_keep: jax.lax.top_k(r, n)[1].astype(jnp.int32), caches[g].axes)
-            keep = best(ranked)  # [B, K, n_keep], best first (on a mesh: each device ranks its own rows)
             count = jnp.broadcast_to(jnp.minimum(quota, n_keep), keep.shape[:2])
             filled = caches[g].fill(
-                li, k, v, ctx.positions, ctx.roles, keep, count, scores[layer], ctx.tools, down, high
+                li, k, v, ctx.positions, ctx.roles, keep, count, scores[layer], ctx.tools, down, high, pools
             )
             caches[g] = filled.constrain()
         return caches, self.kept(caches)
@@ -241,28 +245,38 @@ class StepPlan:
         if cache.blocks is None:
             return cache.evict(li, lowest, cache.length[li] > budget.slot_cap(allowance))
         limit = allowance * budget.full_bytes if budget.capped else jnp.inf
-        over = budget.held(cache.length[li], cache.blocks.count[li]) > limit  # bool[B, K]
+        over = budget.cache_held(cache, li) > limit  # bool[B, K]
         if method.release_line(layer) > -math.inf:  # a released entry leaves before anything goes down
             released = jnp.min(priority, axis=-1) < method.release_line(layer)
             cache = cache.evict(li, lowest, over & released)
             priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)
-            over = budget.held(cache.length[li], cache.blocks.count[li]) > limit
+            over = budget.cache_held(cache, li) > limit
         window_full = cache.length[li] >= self.storage.window + self.storage.block
-        down = method.down_priority(
-            layer, cache.score[li], cache.pos[li], cache.role[li].astype(jnp.int32), positions, step.prompt_lengths
-        )
-        cache = cache.take_down(li, window_full | over, down)
-        over = budget.held(cache.length[li], cache.blocks.count[li]) > limit
+        role = cache.role[li].astype(jnp.int32)
+        down = method.down_priority(layer, cache.score[li], cache.pos[li], role, positions, step.prompt_lengths)
+        cache = cache.take_down(li, window_full | over, down, method.block_pool(role))
+        over = budget.cache_held(cache, li) > limit
         priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)  # the entries taken down are no candidates
-        blocks = cache.blocks
-        live_blocks = jnp.arange(blocks.blocks) < blocks.count[li][..., None]
-        ranked = block_priority(
-            method, layer, blocks.pos[li], blocks.role[li], positions, step.prompt_lengths, live_blocks
-        )
-        to_block = jnp.min(ranked, axis=-1) < jnp.min(priority, axis=-1)
-        cache = cache.evict(li, jnp.argmin(priority, axis=-1).astype(jnp.int32), over & ~to_block)
-        released = blocks.release(li, jnp.argmin(ranked, axis=-1).astype(jnp.int32), over & to_block)
-        return dataclasses.replace(cache, blocks=released)
+        # the lowest candidate leaves: a slot entry, or a whole block of a pool (a tie keeps the blocks)
+        ranked = [
+            block_priority(
+                method,
+                layer,
+                pool.pos[li],
+                pool.role[li],
+                positions,
+                step.prompt_lengths,
+                jnp.arange(pool.blocks) < pool.count[li][..., None],
+            )
+            for pool in cache.block_pools
+        ]  # f32[B, K, NB] per pool
+        leaving = jnp.argmin(jnp.stack([jnp.min(r, axis=-1) for r in [priority, *ranked]], -1), axis=-1)  # i32[B, K]
+        cache = cache.evict(li, jnp.argmin(priority, axis=-1).astype(jnp.int32), over & (leaving == 0))
+        released = [
+            pool.release(li, jnp.argmin(r, axis=-1).astype(jnp.int32), over & (leaving == p + 1))
+            for p, (pool, r) in enumerate(zip(cache.block_pools, ranked, strict=True))
+        ]
+        return cache.with_block_pools(released)
 
 
 # One compiled function per static signature (plan, capacities / sampling); the caches are donated to each step.

@@ -110,24 +110,30 @@ def test_prefill_keeps_unique_valid_entries(matrix: Matrix, name: str):
         tokens[i, : len(p)] = p
     _, caches, _ = engine.prefill(tokens, lengths, np.zeros_like(tokens), engine.capacities(64, 64))
     by_age = engine.method.prefill_high(0, np.zeros((1, 1, 1), np.float32), np.ones((1, 1), bool)) is None
+    block = engine.storage.block
     for (start, _), cache in zip(engine.plan.groups, caches, strict=True):
         pos, length, table = np.asarray(cache.pos), np.asarray(cache.length), np.asarray(cache.table)
-        block_pos = None if cache.blocks is None else np.asarray(cache.blocks.pos)  # dead and free entries: -1
-        room = cache.capacity + (0 if cache.blocks is None else cache.blocks.blocks * cache.blocks.block)
+        pool_of = np.asarray(engine.method.block_pool(cache.role.astype(np.int32)))  # the pool each slot goes into
+        block_pos = [np.asarray(pool.pos) for pool in cache.block_pools]  # dead and free entries: -1
+        room = cache.capacity + sum(pool.blocks * pool.block for pool in cache.block_pools)
         for idx in np.ndindex(length.shape):
             live = pos[idx][table[idx][: length[idx]]]
-            if block_pos is not None:
-                in_blocks = block_pos[idx][block_pos[idx] >= 0]
-                if by_age:  # the oldest whole blocks in blocks, the newer rest in slots
-                    assert len(live) < cache.blocks.block
-                    assert len(live) == 0 or in_blocks.max(initial=-1) < live.min()
-                else:  # the window of full-precision entries and a block's remainder
-                    assert len(live) < engine.storage.window + cache.blocks.block
-                live = np.concatenate([in_blocks, live])
+            live_pools = pool_of[idx][table[idx][: length[idx]]]
+            in_blocks = [p[idx][p[idx] >= 0] for p in block_pos]
+            if by_age and block_pos:  # each pool's oldest whole blocks in its blocks, the newer rest in slots
+                for p, in_pool in enumerate(in_blocks):
+                    mine = live[live_pools == p]
+                    assert len(mine) < block
+                    assert len(mine) == 0 or in_pool.max(initial=-1) < mine.min()
+            elif block_pos:  # the window of full-precision entries and a block's remainder
+                assert len(live) < engine.storage.window + block
+            live = np.concatenate([*in_blocks, live])
             assert len(set(live)) == len(live), "kept entries must be unique"
             assert (live >= 0).all() and (live < lengths[idx[1]]).all(), "kept entries must be real prompt tokens"
             allowance = engine.plan.allowance(start + idx[0], lengths[idx[1]])  # bf16 entries; the bytes decide
-            if by_age:  # (a method's full-precision entries change what the bytes pay for: the cap test checks it)
+            # (a method's full-precision entries, or two pools' blocks, change what the bytes pay for: the cap test
+            # checks it, and tests/runtime/test_storage.py the count of two pools)
+            if by_age and len(block_pos) < 2:
                 quota = max(int(engine.plan.bytes.prefill_count(allowance, lengths[idx[1]])), 1)
                 assert len(live) == min(quota, room)
 

@@ -18,6 +18,7 @@ from pask_jax.factory import make_engine, resolve_spec
 from pask_jax.kernels.quantize import FP8, INT8, PRESETS, KVFormat, dequantize, quantize
 from pask_jax.methods import KIVI
 from pask_jax.models.decoder import Decoder, ModelConfig
+from pask_jax.runtime.budget import ByteBudget
 from pask_jax.runtime.sampling import SamplingConfig
 from pask_jax.storage import BLOCK_FORMATS, Storage, full_entry_bytes
 
@@ -197,4 +198,120 @@ def test_decode_attention_kernels_read_codes_as_the_xla_path_does(storage: Stora
         cache = cache.evict(0, cache.table[0, :, :, 0], jnp.array([[False, True], [False, False]]))
     q = jnp.asarray(rng.normal(size=(B, 2 * K, 16)), jnp.float32)
     xla = decode_attention(q, cache, 0)
+    np.testing.assert_allclose(decode_attention(q, cache, 0, use_kernel=True), xla, atol=2e-5, rtol=1e-5)
+
+
+# ---- two block pools (TriAxialKV): INT4 and INT2 blocks of the same length, each entry in the pool of its tag ----
+
+KIVI4 = (KVFormat(4, "int", "channel", T), KVFormat(4, "int", "token", H))
+TWO_POOLS = Storage(blocks=KIVI4, second_blocks=KIVI2, window=T)
+
+
+def _two_pool_cache(blocks: tuple[int, int] = (3, 3), slots: int = 12) -> GroupCache:
+    return GroupCache.empty(1, B, K, slots, H, jnp.float32, storage=TWO_POOLS, blocks=blocks)
+
+
+def test_two_pools_need_blocks_of_one_length_and_a_window_of_a_block():
+    with pytest.raises(ValueError, match="same length"):
+        Storage(blocks=KIVI4, second_blocks=PRESETS["kivi2"], window=32)
+    with pytest.raises(ValueError, match="window of at least a block"):
+        Storage(blocks=KIVI4, second_blocks=KIVI2, window=T - 1)
+    with pytest.raises(ValueError, match="needs a block pool"):
+        Storage(second_blocks=KIVI2)
+    assert TWO_POOLS.name == "kivi4+kivi2"
+    assert TWO_POOLS.block_entry_bytes(H, 1) == Storage(blocks=KIVI2).block_entry_bytes(H)
+
+
+def test_fill_puts_each_pools_oldest_whole_blocks_into_that_pool():
+    rng = np.random.default_rng(6)
+    p = 13
+    prompt = jnp.asarray(rng.normal(size=(B, p, K, H)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(p), (B, p))
+    pools = jnp.asarray([[0, 1] * 6 + [0], [1] * 9 + [0] * 4], jnp.int32)  # i32[B, P]: the pool of each position
+    keep = jnp.broadcast_to(jnp.arange(p)[::-1], (B, K, p)).astype(jnp.int32)  # newest first
+    count = jnp.array([[13, 13], [13, 9]], jnp.int32)
+    cache = _two_pool_cache().fill(0, prompt, prompt, positions, positions, keep, count, pools=pools)
+    int4, int2 = cache.block_pools
+    # row 0: pool 0 holds 0, 2, .., 12 (7 entries: a block + 3), pool 1 holds 1, 3, .., 11 (6: a block + 2)
+    np.testing.assert_array_equal(int4.pos[0, 0, 0, 0], [0, 2, 4, 6])
+    np.testing.assert_array_equal(int2.pos[0, 0, 0, 0], [1, 3, 5, 7])
+    in_slots = np.asarray(cache.pos[0, 0, 0])[: int(cache.length[0, 0, 0])]
+    np.testing.assert_array_equal(np.sort(in_slots), [8, 9, 10, 11, 12])
+    # row 1: pool 1 holds 0..8, pool 0 holds 9..12; head 1 keeps the newest 9 (4..12): pool 1 has 5 of them
+    np.testing.assert_array_equal(int2.pos[0, 1, 0, :2].ravel(), np.arange(8))
+    np.testing.assert_array_equal(int4.pos[0, 1, 0, 0], [9, 10, 11, 12])
+    np.testing.assert_array_equal(int2.pos[0, 1, 1, 0], [4, 5, 6, 7])
+    np.testing.assert_array_equal(int4.count[0], [[1, 1], [1, 1]])
+    np.testing.assert_array_equal(int2.count[0], [[1, 1], [2, 1]])
+    np.testing.assert_array_equal(cache.length[0], [[5, 5], [1, 1]])
+    for pool, fmt in ((int4, KIVI4), (int2, KIVI2)):  # each pool quantizes in its own format
+        assert pool.formats == fmt
+
+
+def test_take_down_moves_a_block_of_one_pool_into_that_pool():
+    rng = np.random.default_rng(7)
+    cache = _two_pool_cache()
+    tags = [1, 0, 1, 1, 0, 1, 0, 0, 1]  # pool 1: 0, 2, 3, 5, 8; pool 0: 1, 4, 6, 7 (a block each)
+    for p, tag in enumerate(tags):
+        x = jnp.asarray(rng.normal(size=(B, K, H)), jnp.float32)
+        cache = cache.write(0, x, x, jnp.full((B,), p), jnp.full((B,), tag), jnp.ones((B, K), bool))
+    pool = cache.role[0].astype(jnp.int32)  # here the role is the pool
+    down = cache.take_down(0, jnp.ones((B, K), bool), pool=pool)
+    int4, int2 = down.block_pools
+    np.testing.assert_array_equal(int2.count[0], 1)  # the pool holding the oldest entry goes first
+    np.testing.assert_array_equal(int4.count[0], 0)
+    np.testing.assert_array_equal(int2.pos[0, 0, 0, 0], [0, 2, 3, 5])
+    np.testing.assert_array_equal(down.length[0], 5)
+    again = down.take_down(0, jnp.ones((B, K), bool), pool=down.role[0].astype(jnp.int32))
+    np.testing.assert_array_equal(again.block_pools[0].pos[0, 0, 0, 0], [1, 4, 6, 7])  # then pool 0's block
+    np.testing.assert_array_equal(again.length[0], 1)
+    stuck = again.take_down(0, jnp.ones((B, K), bool), pool=again.role[0].astype(jnp.int32))
+    np.testing.assert_array_equal(stuck.length[0], 1)  # no pool has a block of live entries: nothing moves
+
+
+def test_tagged_prefill_count_keeps_the_most_newest_entries_whose_blocks_and_rest_fit():
+    budget = ByteBudget(TWO_POOLS, H, capped=True)
+    slot, (block4, block2) = budget.slot_bytes, budget.pool_block_bytes
+    pools = jnp.asarray([[[1, 1, 1, 1, 0, 0, 0, 0, 0, 1]]], jnp.int32)  # i32[1, 1, 10]: the candidates, newest first
+    available = jnp.asarray([[10]])
+
+    def count(limit_bytes: float) -> int:
+        allowance = jnp.asarray([[limit_bytes / budget.full_bytes]])
+        return int(budget.tagged_prefill_count(allowance, available, pools)[0, 0])
+
+    assert block2 < 2 * slot and block4 < 3 * slot  # at head_dim 16, blocks of 4: 136 and 168 bytes, a slot 79
+    assert count(slot) == 1
+    assert count(2 * slot) == 4  # a whole INT2 block costs less than two slot entries
+    assert count(block2 + block4) == 8  # 7 would hold three slot entries, more bytes than a block
+    assert count(block2 + block4 + slot) == 9
+    assert count(block2 + block4 + 2 * slot) == 10  # everything
+    assert count(1e9) == 10
+    uncapped = ByteBudget(TWO_POOLS, H, capped=False)
+    assert int(uncapped.tagged_prefill_count(jnp.asarray([[0.1]]), available, pools)[0, 0]) == 10
+
+
+def test_attention_over_two_pools_is_attention_over_their_entries():
+    """The XLA path over the window and both pools = softmax attention over the same entries dequantized side by
+    side; the Pallas kernels (interpreted) reading both pools' codes give the XLA path's attention."""
+    rng = np.random.default_rng(8)
+    cache = _two_pool_cache()
+    for p, tag in enumerate([0, 1, 1, 0, 1, 0, 1, 1, 0, 0, 1]):
+        x = jnp.asarray(rng.normal(size=(B, K, H)), jnp.float32)
+        cache = cache.write(0, x, -x, jnp.full((B,), p), jnp.full((B,), tag), jnp.ones((B, K), bool))
+    for do in (jnp.ones((B, K), bool), jnp.array([[True, False], [True, True]])):
+        cache = cache.take_down(0, do, pool=cache.role[0].astype(jnp.int32))
+    cache = cache.evict(0, cache.table[0, :, :, 0], jnp.array([[False, True], [False, False]]))
+    assert all(int(pool.count.sum()) > 0 for pool in cache.block_pools)
+    k, v = cache.slot_kv(0)
+    keys, values, live = [k], [v], [cache.pos[0] >= 0]
+    for pool in cache.block_pools:
+        block_k, block_v = pool.dequantized(0)
+        keys, values, live = keys + [block_k], values + [block_v], live + [pool.live(0).reshape(B, K, -1)]
+    keys, values, live = (jnp.concatenate(x, axis=2) for x in (keys, values, live))
+    q = jnp.asarray(rng.normal(size=(B, 2 * K, H)), jnp.float32)
+    logits = jnp.einsum("BKGH,BKSH->BKGS", q.reshape(B, K, 2, H), keys) / np.sqrt(H)
+    probs = jax.nn.softmax(jnp.where(live[:, :, None], logits, -jnp.inf), axis=-1)
+    expected = jnp.einsum("BKGS,BKSH->BKGH", probs, values).reshape(B, 2 * K, H)
+    xla = decode_attention(q, cache, 0)
+    np.testing.assert_allclose(xla, expected, atol=1e-5)
     np.testing.assert_allclose(decode_attention(q, cache, 0, use_kernel=True), xla, atol=2e-5, rtol=1e-5)
