@@ -31,6 +31,7 @@ and refuses a file made under other settings.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import hashlib
@@ -241,8 +242,8 @@ class RecordsItem:
 
     @property
     def gold(self) -> dict:
-        """The gold answer (valid under ``ANSWER_SCHEMA``)."""
-        return {"records": [dict(r) for r in self.records]}
+        """The gold answer (valid under ``ANSWER_SCHEMA``), a copy."""
+        return {"records": copy.deepcopy(list(self.records))}
 
     @property
     def document(self) -> str:
