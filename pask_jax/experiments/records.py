@@ -78,7 +78,7 @@ TEMPLATES = (
     "{date}, {fragile}, and {status}.",
     "On {date}, {quantity} {goods} weighing {weight_kg} kg were sent to {recipient} in {city}, {country} as shipment "
     "{id}; the package {fragile} and {status}.",
-    "Shipment {id} ({quantity} {goods}, {weight_kg} kg in total) went out on {date} for {recipient}, {city}, "
+    "Shipment {id} ({quantity} {goods}, {weight_kg} kg in total) went out on {date} to {recipient} in {city}, "
     "{country}. It {status} and {fragile}.",
 )
 GOODS = (

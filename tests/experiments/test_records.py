@@ -170,15 +170,16 @@ def test_a_run_scores_every_cell_and_resumes(builder, tiny_qwen_vocab, qwen_tok,
         return real(engines, prompts, *args, **kwargs)
 
     monkeypatch.setattr(records, "generate_shared", counting)
+    methods = ("full", "snapkv", "pask", "kivi", "h2o@int8")  # int4 needs head_dim 32: the tiny model's is 16
     cfg = records.RecordsConfig(
-        methods=("full", "snapkv", "pask"), budgets=(0.2,), items=1, offset=SHORT, batch_size=1, max_new_tokens=24
+        methods=methods, budgets=(0.33,), items=1, offset=SHORT, batch_size=1, max_new_tokens=24
     )
     out = tmp_path / "records.json"
     options = dict(model_name="tiny", template_name="qwen2.5", out=out)
     result = records.run_records(tiny_qwen_vocab, qwen_tok, records.build_prompts(builder, cfg), cfg, **options)
-    assert calls == [(3, 1)]  # one shared prefill for the three engines
+    assert calls == [(5, 1)]  # one shared prefill for the five engines
     cells = result["cells"]
-    assert [records.cell_key(c) for c in cells] == [("full", 1.0, SHORT), ("snapkv", 0.2, SHORT), ("pask", 0.2, SHORT)]
+    assert [records.cell_key(c) for c in cells] == [(m, 1.0 if m == "full" else 0.33, SHORT) for m in methods]
     gold = records.make_item("dev", SHORT).records
     for cell in cells:
         score = records.score_answer(cell["answer"], gold)
@@ -191,20 +192,20 @@ def test_a_run_scores_every_cell_and_resumes(builder, tiny_qwen_vocab, qwen_tok,
         if cell["method"] == "full":
             assert cell["budget"] == 1.0 and cell["kept_ratio_max"] == 1.0
         else:
-            assert cell["kv_bytes_ratio_max"] <= 0.2 + 0.02  # the budget plus the token being written
+            assert cell["kv_bytes_ratio_max"] <= 0.33 + 0.02  # the budget plus the token being written
     assert json.loads(out.read_text()) == result
-    [full, snapkv, pask] = result["summary"]
-    assert (full["method"], snapkv["method"], pask["method"]) == ("full", "snapkv", "pask")
+    assert [s["method"] for s in result["summary"]] == ["full", "snapkv", "h2o@int8", "kivi", "pask"]
+    snapkv = result["summary"][1]
     assert snapkv["tpot_ms"] == pytest.approx(1e3 * cells[1]["decode_s"] / cells[1]["generated_tokens"])
-    assert "| snapkv | 0.2 | 1 |" in records.format_table(result)
+    assert "| snapkv | 0.33 | 1 |" in records.format_table(result)
 
     again = records.run_records(tiny_qwen_vocab, qwen_tok, records.build_prompts(builder, cfg), cfg, **options)
-    assert calls == [(3, 1)] and again["cells"] == cells  # nothing new computed
+    assert calls == [(5, 1)] and again["cells"] == cells  # nothing new computed
 
     more = dataclasses.replace(cfg, items=2)
     grown = records.run_records(tiny_qwen_vocab, qwen_tok, records.build_prompts(builder, more), more, **options)
-    assert calls[1:] == [(3, 1)]  # only the new item
-    assert grown["cells"][:3] == cells and {c["index"] for c in grown["cells"][3:]} == {SHORT + 1}
+    assert calls[1:] == [(5, 1)]  # only the new item
+    assert grown["cells"][:5] == cells and {c["index"] for c in grown["cells"][5:]} == {SHORT + 1}
 
 
 def test_a_results_file_of_other_settings_is_refused(tmp_path):
