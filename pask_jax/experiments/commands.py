@@ -1,5 +1,5 @@
-"""The experiments' subcommands, registered on the command line by `pask_jax.cli`: `bfcl`, `niah`, `bench`, and
-BFCL's calibration part as a source for `calibrate` (its `--per-category`, `--split-rule` and `--target`).
+"""The experiments' subcommands, registered on the command line by `pask_jax.cli`: `bfcl`, `niah`, `records`, `bench`,
+and BFCL's calibration part as a source for `calibrate` (its `--per-category`, `--split-rule` and `--target`).
 
 Each subcommand's `check` is its front door (`pask_jax.arguments`): bad arguments end there, before anything loads.
 """
@@ -64,6 +64,13 @@ def check_bfcl(args: argparse.Namespace) -> None:
 
 
 def check_niah(args: argparse.Namespace) -> None:
+    labelled_policies(args.policy or [])
+    if args.method_config:
+        input_file(args.method_config, "--method-config")
+    output_file(args.out, "--out")
+
+
+def check_records(args: argparse.Namespace) -> None:
     labelled_policies(args.policy or [])
     if args.method_config:
         input_file(args.method_config, "--method-config")
@@ -182,6 +189,55 @@ def cmd_niah(args: argparse.Namespace) -> None:
     print(f"wrote {out}", file=sys.stderr)
 
 
+def cmd_records(args: argparse.Namespace) -> None:
+    """Long structured outputs: every record of a generated manifest, per (method, budget, item): a table and a
+    resumable results JSON."""
+    from pask_jax.experiments import niah, records
+
+    labels = [entry.rpartition("=")[0] for entry in args.policy or []]
+    methods = niah.parse_names(args.methods, "methods")
+    extra = (f"pask:{label}" for label in labels if label not in ("", PLAIN_PASK))  # a labelled policy adds its run
+    methods += tuple(spec for spec in extra if spec not in methods)
+    cfg = records.RecordsConfig(
+        methods=methods,
+        budgets=niah.parse_floats(args.budgets, "budget"),
+        split=args.split,
+        items=args.items,
+        offset=args.offset,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        num_groups=args.groups,
+    )  # every setting checked before anything loads
+    from pask_jax.checkpoint import Checkpoint
+    from pask_jax.methods import load_method_config
+    from pask_jax.requests import RequestBuilder
+
+    method_config = load_method_config(args.method_config)
+    checkpoint = Checkpoint.open(args.model)
+    policies = sweep_policies(labelled_policies(args.policy or [], cfg.methods), checkpoint)
+    niah.check_methods(cfg, method_config, policies, checkpoint.fingerprint)
+    template = checkpoint.chat_template
+    if template is None:
+        raise records.RecordsError(f"{args.model} ships no chat template, which the prompts are rendered with")
+    out = Path(args.out)
+    niah.read_results(out, records.run_config(cfg, args.model, template.name, method_config, policies), "records")
+    prompts = records.build_prompts(RequestBuilder(checkpoint.tokenizer, template), cfg)  # tokens only: no model yet
+    enable_compile_cache()
+    result = records.run_records(
+        checkpoint.weights(),
+        checkpoint.tokenizer,
+        prompts,
+        cfg,
+        model_name=args.model,
+        template_name=template.name,
+        method_config=method_config,
+        policies=policies,
+        out=out,
+    )
+    print(records.format_table(result))
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def context_list(text: str) -> str:
     """Calibration prompt lengths: comma-separated token counts >= 0 (0: BFCL's own prompt); returned as given."""
     for item in text.split(","):
@@ -255,7 +311,7 @@ def calibrate_on_suite(args: argparse.Namespace, checkpoint, options: dict):
 
 
 def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
-    """Register `bfcl`, `niah` and `bench` on the command line's subparsers."""
+    """Register `bfcl`, `niah`, `records` and `bench` on the command line's subparsers."""
     p = sub.add_parser("bfcl", help="score methods on BFCL (evaluation split) with grammar-constrained decoding")
     p.add_argument("--model", default=default_model)
     p.add_argument(
@@ -331,6 +387,32 @@ def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
     p.add_argument("--method-config", help="TOML of method variants and overrides, on top of configs/methods.toml")
     p.add_argument("--out", required=True, help="results JSON; an existing one is resumed (only missing cells run)")
     p.set_defaults(func=cmd_niah, check=check_niah)
+    p = sub.add_parser(
+        "records", help="long JSON answers: extract every record of a generated manifest, every method and budget"
+    )
+    p.add_argument("--model", default=default_model)
+    p.add_argument(
+        "--methods",
+        default="full,snapkv,h2o,streamingllm,kivi,pask",
+        help="comma-separated method specs (pask runs under --policy; NAME@int8 / @fp8 / @int4 stores an eviction "
+        "method's entries quantized); each --policy LABEL=PATH adds pask:LABEL",
+    )
+    p.add_argument("--budgets", default="0.1,0.33", help="total KV budgets in (0, 1], comma-separated")
+    p.add_argument(
+        "--split",
+        default="dev",
+        choices=("dev", "evaluation"),
+        help="dev items (seeds 0..) for choosing settings, or evaluation items (seeds 1000000..) for reported results",
+    )
+    p.add_argument("--items", type=int, default=20, help="how many items of the split")
+    p.add_argument("--offset", type=int, default=0, help="the first item of the split")
+    p.add_argument("--batch-size", type=int, default=4, help="items per shared prefill")
+    p.add_argument("--max-new-tokens", type=int, default=2304, help="the longest gold answer is ~2,000 tokens")
+    p.add_argument("--groups", type=int, default=4, help="layer groups (a policy's own groups win)")
+    p.add_argument("--policy", action="append", help=POLICY_HELP)
+    p.add_argument("--method-config", help="TOML of method variants and overrides, on top of configs/methods.toml")
+    p.add_argument("--out", required=True, help="results JSON; an existing one is resumed (only missing cells run)")
+    p.set_defaults(func=cmd_records, check=check_records)
     from pask_jax.experiments.bench import BENCHMARKS  # names and one line each; no benchmark module is imported
 
     # prefix "+": every "--flag" after `bench` is passed through to the benchmark's own parser; `pask-jax bench --help`

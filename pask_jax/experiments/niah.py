@@ -46,6 +46,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -110,6 +111,13 @@ NOUNS = (
 _SEVEN_DIGITS = re.compile(r"(?<!\d)\d{7}(?!\d)")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"])")
 _HEADING_RULE = frozenset("=*-^~")
+
+
+class MethodGrid(Protocol):
+    """What `check_methods` reads of a run's config (a `NiahConfig`, or another workload's)."""
+
+    methods: tuple[str, ...]
+    budgets: tuple[float, ...]
 
 
 class NiahError(ValueError):
@@ -415,7 +423,7 @@ def spec_settings(spec: str, method_config: Mapping[str, dict], policies: Mappin
 
 
 def check_methods(
-    cfg: NiahConfig,
+    cfg: MethodGrid,
     method_config: Mapping[str, dict],
     policies: Mapping[str, PersistencePolicy],
     fingerprint: ModelFingerprint | None = None,
@@ -478,10 +486,13 @@ def cell_key(cell: Mapping) -> CellKey:
     return (cell["method"], cell["budget"], cell["length"], cell["depth"], cell["haystack"], cell["mode"])
 
 
-def read_results(path: Path | None, config: dict) -> tuple[list[dict], dict[str, dict]]:
+def read_results(
+    path: Path | None, config: dict, kind: str = "needle-in-a-haystack"
+) -> tuple[list[dict], dict[str, dict]]:
     """The cells already in `path` (none if it does not exist) and the settings of every method spec there or in
-    `config` (a run's `run_config`). NiahError if the cells were made under other shared settings, or a method spec of
-    this run ran with other settings there."""
+    `config` (a run's `run_config`: ``shared`` and ``settings``, as the records workload writes them too). NiahError
+    if `path` is not a `kind` results file, its cells were made under other shared settings, or a method spec of this
+    run ran with other settings there."""
     if path is None or not path.exists():
         return [], dict(config["settings"])
     try:
@@ -492,7 +503,7 @@ def read_results(path: Path | None, config: dict) -> tuple[list[dict], dict[str,
             previous["cells"],
         )
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise NiahError(f"{path} is not a needle-in-a-haystack results file ({exc}); choose another --out") from None
+        raise NiahError(f"{path} is not a {kind} results file ({exc}); choose another --out") from None
     differ = sorted(k for k in set(old_shared) | set(config["shared"]) if old_shared.get(k) != config["shared"].get(k))
     if differ:
         raise NiahError(f"{path} was made with other settings ({', '.join(differ)} differ): choose another --out")
