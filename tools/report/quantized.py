@@ -27,6 +27,12 @@ ACTIONS_DEV_MULTIPLE = (  # multiple: the baselines and the 17-item policy, rele
     "results/dev_actions/dev_calib18_keep_released_multiple.json",
 )
 
+ACTIONS_DEV_ALL = (  # every dev candidate on the 34 items of the three categories (rows run on all three)
+    *ACTIONS_DEV,
+    *ACTIONS_DEV_MULTIPLE,
+    "results/dev_actions/dev_calib18_nll.json",
+)
+
 
 def _merged(root: Path, files: Sequence[str]) -> dict:
     """The runs of several single-category results files as one result."""
@@ -106,8 +112,9 @@ def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
         "(`pask:release_first`)",
         "pask:keep_released": "the 17-item policy under the default rule, RELEASE buckets going down to 2 bits with "
         "the rest",
+        "pask:nll": "the same with the knapsack valued by the NLL change (`--value nll`)",
     }
-    present = {m for m, _ in _keys(result)}
+    present = {row[0].split(" @ ")[0] for row in rows}  # the methods with a row
     claim = (
         f"Dev items only (for choosing, not a reported result): the first 12 dev items of {', '.join(categories)}, "
         "every row on the same items. "
@@ -122,6 +129,10 @@ def actions_dev_multiple(root: Path) -> str:
     return actions_dev(root, ACTIONS_DEV_MULTIPLE)
 
 
+def actions_dev_all(root: Path) -> str:
+    return actions_dev(root, ACTIONS_DEV_ALL)
+
+
 def quantized_serving(root: Path) -> str:
     return _serving(root, "results/quantized_eval/serving_storage.json")
 
@@ -132,4 +143,5 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "quantized_serving": quantized_serving,
     "actions_dev": actions_dev,
     "actions_dev_multiple": actions_dev_multiple,
+    "actions_dev_all": actions_dev_all,
 }
