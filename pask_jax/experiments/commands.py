@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pask_jax.arguments import (
@@ -137,78 +138,22 @@ def cmd_bench(args: argparse.Namespace) -> None:
     bench_main(args.args)
 
 
-def cmd_niah(args: argparse.Namespace) -> None:
-    """Needle-in-a-haystack retrieval per (method, budget, length, depth, haystack, mode): a table and a resumable
-    results JSON (`python -m tools.plot_niah` draws it)."""
+def _workload_methods(args: argparse.Namespace) -> tuple[str, ...]:
+    """--methods, and `pask:LABEL` for every labelled --policy not among them (a labelled policy adds its run)."""
+    from pask_jax.experiments.niah import parse_names
+
+    labels = [entry.rpartition("=")[0] for entry in args.policy or []]
+    methods = parse_names(args.methods, "methods")
+    extra = (f"pask:{label}" for label in labels if label not in ("", PLAIN_PASK))
+    return methods + tuple(spec for spec in extra if spec not in methods)
+
+
+def _run_workload(args: argparse.Namespace, cfg, workload, run: Callable, error: type[ValueError], kind: str) -> None:
+    """A synthetic workload's run (`workload`: the niah or records module, `run` its run function) under `cfg`,
+    whose settings were checked: the method configs, checkpoint and labelled policies checked against the methods
+    and the results file's settings before the model loads; a table, and the resumable results JSON."""
+    from pask_jax.checkpoint import Checkpoint
     from pask_jax.experiments import niah
-
-    labels = [entry.rpartition("=")[0] for entry in args.policy or []]
-    methods = niah.parse_names(args.methods, "methods")
-    extra = (f"pask:{label}" for label in labels if label not in ("", PLAIN_PASK))  # a labelled policy adds its run
-    methods += tuple(spec for spec in extra if spec not in methods)
-    cfg = niah.NiahConfig(
-        methods=methods,
-        budgets=niah.parse_floats(args.budgets, "budget"),
-        lengths=niah.parse_lengths(args.lengths),
-        depths=niah.parse_floats(args.depths, "depth"),
-        haystacks=niah.parse_names(args.haystacks, "haystacks"),
-        modes=niah.parse_names(args.modes, "modes"),
-        seed=args.seed,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
-        num_groups=args.groups,
-    )  # every list checked before anything loads
-    from pask_jax.checkpoint import Checkpoint
-    from pask_jax.methods import load_method_config
-    from pask_jax.requests import RequestBuilder
-
-    method_config = load_method_config(args.method_config)
-    checkpoint = Checkpoint.open(args.model)
-    policies = sweep_policies(labelled_policies(args.policy or [], cfg.methods), checkpoint)
-    tokenizer = checkpoint.tokenizer
-    niah.check_methods(cfg, method_config, policies, checkpoint.fingerprint)
-    template = checkpoint.chat_template
-    if template is None:
-        raise niah.NiahError(f"{args.model} ships no chat template, which the prompts are rendered with")
-    out = Path(args.out)
-    niah.read_results(out, niah.run_config(cfg, args.model, template.name, method_config, policies))
-    prompts = niah.build_prompts(RequestBuilder(tokenizer, template), cfg)  # tokens only: no model yet
-    enable_compile_cache()
-    result = niah.run_niah(
-        checkpoint.weights(),
-        tokenizer,
-        prompts,
-        cfg,
-        model_name=args.model,
-        template_name=template.name,
-        method_config=method_config,
-        policies=policies,
-        out=out,
-    )
-    print(niah.format_table(result))
-    print(f"wrote {out}", file=sys.stderr)
-
-
-def cmd_records(args: argparse.Namespace) -> None:
-    """Long structured outputs: every record of a generated manifest, per (method, budget, item): a table and a
-    resumable results JSON."""
-    from pask_jax.experiments import niah, records
-
-    labels = [entry.rpartition("=")[0] for entry in args.policy or []]
-    methods = niah.parse_names(args.methods, "methods")
-    extra = (f"pask:{label}" for label in labels if label not in ("", PLAIN_PASK))  # a labelled policy adds its run
-    methods += tuple(spec for spec in extra if spec not in methods)
-    cfg = records.RecordsConfig(
-        methods=methods,
-        budgets=niah.parse_floats(args.budgets, "budget"),
-        split=args.split,
-        items=args.items,
-        offset=args.offset,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
-        num_groups=args.groups,
-    )  # every setting checked before anything loads
-    from pask_jax.checkpoint import Checkpoint
     from pask_jax.methods import load_method_config
     from pask_jax.requests import RequestBuilder
 
@@ -218,12 +163,12 @@ def cmd_records(args: argparse.Namespace) -> None:
     niah.check_methods(cfg, method_config, policies, checkpoint.fingerprint)
     template = checkpoint.chat_template
     if template is None:
-        raise records.RecordsError(f"{args.model} ships no chat template, which the prompts are rendered with")
+        raise error(f"{args.model} ships no chat template, which the prompts are rendered with")
     out = Path(args.out)
-    niah.read_results(out, records.run_config(cfg, args.model, template.name, method_config, policies), "records")
-    prompts = records.build_prompts(RequestBuilder(checkpoint.tokenizer, template), cfg)  # tokens only: no model yet
+    niah.read_results(out, workload.run_config(cfg, args.model, template.name, method_config, policies), kind)
+    prompts = workload.build_prompts(RequestBuilder(checkpoint.tokenizer, template), cfg)  # tokens only: no model yet
     enable_compile_cache()
-    result = records.run_records(
+    result = run(
         checkpoint.weights(),
         checkpoint.tokenizer,
         prompts,
@@ -234,8 +179,46 @@ def cmd_records(args: argparse.Namespace) -> None:
         policies=policies,
         out=out,
     )
-    print(records.format_table(result))
+    print(workload.format_table(result))
     print(f"wrote {out}", file=sys.stderr)
+
+
+def cmd_niah(args: argparse.Namespace) -> None:
+    """Needle-in-a-haystack retrieval per (method, budget, length, depth, haystack, mode): a table and a resumable
+    results JSON (`python -m tools.plot_niah` draws it)."""
+    from pask_jax.experiments import niah
+
+    cfg = niah.NiahConfig(
+        methods=_workload_methods(args),
+        budgets=niah.parse_floats(args.budgets, "budget"),
+        lengths=niah.parse_lengths(args.lengths),
+        depths=niah.parse_floats(args.depths, "depth"),
+        haystacks=niah.parse_names(args.haystacks, "haystacks"),
+        modes=niah.parse_names(args.modes, "modes"),
+        seed=args.seed,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        num_groups=args.groups,
+    )  # every list checked before anything loads
+    _run_workload(args, cfg, niah, niah.run_niah, niah.NiahError, "needle-in-a-haystack")
+
+
+def cmd_records(args: argparse.Namespace) -> None:
+    """Long structured outputs: every record of a generated manifest, per (method, budget, item): a table and a
+    resumable results JSON."""
+    from pask_jax.experiments import niah, records
+
+    cfg = records.RecordsConfig(
+        methods=_workload_methods(args),
+        budgets=niah.parse_floats(args.budgets, "budget"),
+        split=args.split,
+        items=args.items,
+        offset=args.offset,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        num_groups=args.groups,
+    )  # every setting checked before anything loads
+    _run_workload(args, cfg, records, records.run_records, records.RecordsError, "records")
 
 
 def context_list(text: str) -> str:
