@@ -31,6 +31,8 @@ ACTIONS_DEV_ALL = (  # every dev candidate on the 34 items of the three categori
     *ACTIONS_DEV,
     *ACTIONS_DEV_MULTIPLE,
     "results/dev_actions/dev_calib18_nll.json",
+    "results/dev_actions/dev_kivi_residual.json",
+    "results/dev_actions/dev_calib18_fill_window.json",
 )
 
 
@@ -113,6 +115,8 @@ def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
         "pask:keep_released": "the 17-item policy under the default rule, RELEASE buckets going down to 2 bits with "
         "the rest",
         "pask:nll": "the same with the knapsack valued by the NLL change (`--value nll`)",
+        "pask:fill_window": "the default rule with `fill_window`",
+        "kivi:r32": "KIVI with a full-precision window of 32 (`kivi:r64`: 64; `kivi`: 128)",
     }
     present = {row[0].split(" @ ")[0] for row in rows}  # the methods with a row
     claim = (
