@@ -134,7 +134,7 @@ class KVMethod:
     def prefill_high(self, layer: int, scores: jax.Array, valid: jax.Array) -> jax.Array | None:
         """i32[B, K]: of the prompt entries (scores f32[B, K, T], valid bool[B, T]), how many the method wants at full
         precision in the slot pool after prefill (the window permitting), the rest going into whole blocks. Default
-        None: as many whole blocks as the bytes allow, the remainder staying in slots (TriAxialKV)."""
+        None: as many whole blocks as the bytes allow, the remainder staying in slots (KIVI)."""
         return None
 
     def block_pool(self, role: jax.Array) -> jax.Array:

@@ -4,8 +4,7 @@ Every entry stays; what shrinks is its precision. Keys are quantized per channel
 channel's outliers get their own scale), values per token over groups of `group` channels, both at `bits` bits with
 an f16 scale and zero per group; the newest tokens -- at least `residual` of them, at most `residual + group` -- stay
 at full precision, and the oldest `group` of them go down a group at a time (the cache's block pool,
-`pask_jax.block_pool`). At prefill, as in KIVI's reference implementation, the prompt's newest `residual` tokens stay
-at full precision (and the remainder of a group), the rest going down in whole groups.
+`pask_jax.block_pool`). The prompt goes down at prefill in whole groups, its last `P mod group` tokens staying.
 
 The budget is the one knob: `bits=0` (the default) takes 4 bits where a 4-bit entry fits the budget, else 2
 (`widest_bits`; the full-precision window is not counted in the choice). Where even that does not fit -- a low budget,
@@ -62,10 +61,6 @@ class KIVI(KVMethod):
     def storage(self, budget: float, head_dim: int) -> Storage:
         bits = self.bits or self.widest_bits(budget, head_dim)
         return Storage(blocks=self.formats(bits, head_dim), window=self.residual)
-
-    def prefill_high(self, layer: int, scores: jax.Array, valid: jax.Array) -> jax.Array:
-        newest = jnp.minimum(jnp.sum(valid, axis=-1, dtype=jnp.int32), self.residual)  # i32[B]
-        return jnp.broadcast_to(newest[:, None], scores.shape[:2])  # the window's bytes permitting
 
     def prefill_scores(self, observed: list, ctx: PrefillContext) -> list[jax.Array]:
         priority = recency_priority(ctx.positions, self.sinks)  # f32[B, T]: what a tight cap keeps first

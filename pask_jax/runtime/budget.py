@@ -142,18 +142,11 @@ class ByteBudget:
         among them) in blocks pay for the step up -- so, as during decode, entries go down before any retained
         entry leaves."""
         slots = jnp.minimum(jnp.minimum(high, self.storage.window), available)
-        if not self.capped:  # every entry kept: what does not fill a block stays in a slot too
+        if not self.capped:
             return slots
-        block, entry = self.storage.block, self.block_bytes / self.storage.block
+        entry = self.block_bytes / self.storage.block
         spare = allowance * self.full_bytes - retained * entry  # bytes beyond every retained entry at LOW
-        slots = jnp.clip(jnp.floor(spare / (self.slot_bytes - entry)).astype(jnp.int32), 0, slots)
-        # The other retained entries go down in whole blocks, so the slots take what does not fill one -- more slots
-        # where the bytes pay for them (the slot pool has a block of room beyond the window), else fewer: no retained
-        # entry is left out for want of a whole block.
-        rest = (retained - slots) % block
-        up, down = slots + rest, slots - (block - rest) % block
-        fits_up = (up <= available) & (self.held(up, (retained - up) // block) <= allowance * self.full_bytes)
-        return jnp.where(fits_up, up, jnp.where(down >= 0, down, slots))
+        return jnp.clip(jnp.floor(spare / (self.slot_bytes - entry)).astype(jnp.int32), 0, slots)
 
     def slot_cap(self, allowance: jax.Array) -> jax.Array:
         """i32: slot entries a slot-only layer may hold under an allowance of `allowance` reference entries."""

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from pask_jax import attention as attention_ops
-from pask_jax.methods import H2O, KIVI, METHODS, DapQ, FullKV, PaskKV, PyramidKV, SnapKV
+from pask_jax.methods import H2O, METHODS, DapQ, FullKV, PaskKV, PyramidKV, SnapKV
 from pask_jax.methods.base import PROTECTED
 from pask_jax.methods.h2o import accumulated_attention, fold_recent_window
 from pask_jax.methods.pyramidkv import pyramid_fractions
@@ -462,9 +462,9 @@ def test_pask_floor_order_query_protects_what_the_query_attends_to():
 
 def test_pask_actions_hold_high_buckets_in_slots_low_in_blocks_and_release_first():
     """A hand action table (USER_TEXT RETAIN_HIGH, DESCRIPTION RELEASE, the rest RETAIN_LOW) at b = 0.4, releasing
-    first: prefill keeps every USER_TEXT entry, the sink and the newest USER_TEXT entries in the full-precision slots
-    (at most the window of 8; fewer where the other retained entries need whole blocks), the other kept entries in
-    2-bit blocks, and lets DESCRIPTION go before anything else."""
+    first: prefill keeps
+    every USER_TEXT entry, the sink and the newest USER_TEXT entries in the full-precision slots (the window of 8),
+    the other kept entries in 2-bit blocks, and lets DESCRIPTION go before anything else."""
     from support import BUCKETS, LOW_GROUP, PROMPTS, ROLES, matrix_model
 
     from pask_jax.policy_compiler import RELEASE, RETAIN_HIGH, RETAIN_LOW
@@ -490,9 +490,8 @@ def test_pask_actions_hold_high_buckets_in_slots_low_in_blocks_and_release_first
         for idx in np.ndindex(length.shape):  # (layer, row, KV head)
             slots = pos[idx][table[idx][: length[idx]]]
             blocks = block_pos[idx][block_pos[idx] >= 0]
-            # the sink and the newest USER_TEXT, as many as leave the other retained entries whole blocks
-            assert 1 < len(slots) <= 8 and (len(prompt) - (roles == Role.DESCRIPTION).sum() - len(slots)) % 8 == 0
-            assert 0 in slots and set(slots) - {0} == set(sorted(user)[1 - len(slots) :])
+            assert len(slots) == 8 and set(roles[slots]) <= {Role.SINK, Role.USER_TEXT}
+            assert 0 in slots and set(slots) - {0} == set(sorted(user)[-7:])  # the sink, the newest USER_TEXT
             assert user <= set(slots) | set(blocks)  # every RETAIN_HIGH entry is kept
             dropped = set(range(len(prompt))) - set(slots) - set(blocks)
             assert dropped and set(roles[list(dropped)]) == {Role.DESCRIPTION}  # RELEASE leaves first
@@ -550,26 +549,3 @@ def test_pask_actions_fill_window_keeps_low_entries_at_full_precision_where_byte
     assert expected[True] > expected[False]
     for fill, lengths in in_slots.items():
         assert all((length == expected[fill]).all() for length in lengths), (fill, lengths)
-
-
-def test_kivi_prefill_keeps_the_newest_residual_prompt_tokens_at_full_precision():
-    """As KIVI's reference implementation: after prefill the newest `residual` prompt entries (and the remainder of a
-    block) sit in the full-precision slots, the older ones in whole blocks; where the bytes pay for fewer slots, fewer
-    of the newest stay, and no entry is left out while whole blocks hold the rest."""
-    from support import BUCKETS, LOW_GROUP, PROMPTS, ROLES, matrix_model
-
-    prompt, roles = np.asarray(PROMPTS[0], np.int32), np.asarray(ROLES[0], np.int32)
-    n, residual = len(prompt), 16
-    most = residual + (n - residual) % LOW_GROUP
-    for budget in (1.0, 0.8):
-        method = KIVI(bits=2, group=LOW_GROUP, residual=residual)
-        engine = Engine(matrix_model(), method=method, budget=budget, num_groups=2, length_buckets=BUCKETS)
-        _, caches, _ = engine.prefill(prompt[None], np.int32([n]), roles[None], engine.capacities(64, 8))
-        for cache in caches:
-            pos, table, length = np.asarray(cache.pos), np.asarray(cache.table), np.asarray(cache.length)
-            block_pos = np.asarray(cache.blocks.pos)
-            for idx in np.ndindex(length.shape):  # (layer, row, KV head)
-                slots = np.sort(pos[idx][table[idx][: length[idx]]])
-                blocks = np.sort(block_pos[idx][block_pos[idx] >= 0])
-                assert (slots == np.arange(n - len(slots), n)).all() and (blocks == np.arange(n - len(slots))).all()
-                assert len(slots) == most if budget == 1.0 else 0 < len(slots) < most
