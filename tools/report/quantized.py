@@ -117,6 +117,7 @@ def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
         "pask:nll": "the same with the knapsack valued by the NLL change (`--value nll`)",
         "pask:fill_window": "the default rule with `fill_window`",
         "kivi:r32": "KIVI with a full-precision window of 32 (`kivi:r64`: 64; `kivi`: 128)",
+        "pask:actions": "the 17-item policy under the default rule",
     }
     present = {row[0].split(" @ ")[0] for row in rows}  # the methods with a row
     claim = (
@@ -137,6 +138,10 @@ def actions_dev_all(root: Path) -> str:
     return actions_dev(root, ACTIONS_DEV_ALL)
 
 
+def actions_dev_prefill_rule(root: Path) -> str:
+    return actions_dev(root, ("results/dev_actions/dev_prefill_rule.json",))
+
+
 def quantized_serving(root: Path) -> str:
     return _serving(root, "results/quantized_eval/serving_storage.json")
 
@@ -148,4 +153,5 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "actions_dev": actions_dev,
     "actions_dev_multiple": actions_dev_multiple,
     "actions_dev_all": actions_dev_all,
+    "actions_dev_prefill_rule": actions_dev_prefill_rule,
 }
