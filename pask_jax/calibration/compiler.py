@@ -37,7 +37,9 @@ def compile_policy(
             f"the statistics were calibrated on {stats.model} ({stats.num_layers} layers); the model has "
             f"{fits.num_layers}: calibrate this model (`pask-jax calibrate --model ...`)"
         )
-    options = CompileOptions(tolerance, floor_share, ablation, entry_bytes, value)
+    options = CompileOptions(
+        tolerance=tolerance, floor_share=floor_share, ablation=ablation, entry_bytes=entry_bytes, value=value
+    )
     return PersistencePolicy(
         model=stats.model,
         num_layers=stats.num_layers,
