@@ -532,15 +532,21 @@ def _cell(prompt: NiahPrompt, method: str, budget: float, mode: str, gen, tokeni
         "answer": text,
         "read": read,
         "correct": correct,
+        "haystack_tokens": prompt.haystack_tokens,
+        "depth_actual": round(prompt.depth_actual, 2),
+    } | generation_fields(gen)
+
+
+def generation_fields(gen) -> dict:
+    """What a synthetic workload's cell records of a generation: kept entries and bytes, lengths, timings."""
+    return {
         "kept_ratio_mean": round(gen.stats.kept_ratio_mean, 5),
         "kept_ratio_max": round(gen.stats.kept_ratio_max, 5),
         "kv_bytes_ratio_mean": round(gen.stats.kv_bytes_ratio_mean, 5),
         "kv_bytes_ratio_max": round(gen.stats.kv_bytes_ratio_max, 5),
         "prompt_tokens": gen.stats.prompt_tokens,
-        "haystack_tokens": prompt.haystack_tokens,
-        "depth_actual": round(prompt.depth_actual, 2),
         "generated_tokens": gen.stats.generated_tokens,
-        "finish_reason": gen.finish_reason,
+        "finish_reason": gen.finish_reason,  # "length": cut off at max_new_tokens
         "ttft_s": round(gen.stats.ttft_s, 3),  # the batch's shared prefill (with its compile on a new shape)
         "decode_s": round(sum(gen.stats.token_times_s), 3),
     }

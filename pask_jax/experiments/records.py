@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from pask_jax.arguments import method_spec
 from pask_jax.experiments.bench.machine import write_json
 from pask_jax.experiments.bfcl.evaluate import EvalConfig, build_engines
-from pask_jax.experiments.niah import check_methods, read_results, spec_settings
+from pask_jax.experiments.niah import check_methods, generation_fields, read_results, spec_settings
 from pask_jax.experiments.sweep import generate_shared
 from pask_jax.models.decoder import Decoder
 from pask_jax.models.tokenizer import Tokenizer
@@ -466,17 +466,8 @@ def _cell(prompt: RecordsPrompt, method: str, budget: float, gen: Generation, to
         "recall": round(score.recall, 5),
         "f1": round(score.f1, 5),
         "exact": score.exact,
-        "kept_ratio_mean": round(gen.stats.kept_ratio_mean, 5),
-        "kept_ratio_max": round(gen.stats.kept_ratio_max, 5),
-        "kv_bytes_ratio_mean": round(gen.stats.kv_bytes_ratio_mean, 5),
-        "kv_bytes_ratio_max": round(gen.stats.kv_bytes_ratio_max, 5),
-        "prompt_tokens": gen.stats.prompt_tokens,
         "gold_tokens": prompt.gold_tokens,
-        "generated_tokens": gen.stats.generated_tokens,
-        "finish_reason": gen.finish_reason,  # "length": cut off at max_new_tokens, so not valid JSON
-        "ttft_s": round(gen.stats.ttft_s, 3),  # the batch's shared prefill (with its compile on a new shape)
-        "decode_s": round(sum(gen.stats.token_times_s), 3),
-    }
+    } | generation_fields(gen)
 
 
 def run_records(
