@@ -465,14 +465,19 @@ def run_config(
         "answer_schema": ANSWER_SCHEMA,
         "haystacks": haystack_hash(),
     }
+    prose = f"pydoc_data/topics.py of CPython {sys.version.split()[0]} (PSF License Version 2)"
+    return workload_config(shared, cfg, method_config, policies) | {"prose_source": prose}
+
+
+def workload_config(
+    shared: dict, cfg, method_config: Mapping[str, dict], policies: Mapping[str, PersistencePolicy]
+) -> dict:
+    """A synthetic workload's results-file `config`: its `shared` settings, the `settings` of each method spec of
+    `cfg` (a dataclass with `methods`), the run's own settings and the labelled policies."""
     return {
         "shared": shared,
         "settings": {spec: spec_settings(spec, method_config, policies) for spec in cfg.methods},
-        "run": {
-            field: list(value) if isinstance(value, tuple) else value
-            for field, value in dataclasses.asdict(cfg).items()
-        },
-        "prose_source": f"pydoc_data/topics.py of CPython {sys.version.split()[0]} (PSF License Version 2)",
+        "run": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()},
         "policies": {
             label: {"model": p.model, "hash": p.content_hash(), "notes": p.notes} for label, p in policies.items()
         },

@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from pask_jax.arguments import method_spec
 from pask_jax.experiments.bench.machine import write_json
 from pask_jax.experiments.bfcl.evaluate import EvalConfig, build_engines
-from pask_jax.experiments.niah import check_methods, generation_fields, read_results, spec_settings
+from pask_jax.experiments.niah import check_methods, generation_fields, read_results, workload_config
 from pask_jax.experiments.sweep import generate_shared
 from pask_jax.models.decoder import Decoder
 from pask_jax.models.tokenizer import Tokenizer
@@ -430,14 +430,7 @@ def run_config(
         "answer_schema": ANSWER_SCHEMA,
         "generator": generator_hash(),
     }
-    return {
-        "shared": shared,
-        "settings": {spec: spec_settings(spec, method_config, policies) for spec in cfg.methods},
-        "run": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()},
-        "policies": {
-            label: {"model": p.model, "hash": p.content_hash(), "notes": p.notes} for label, p in policies.items()
-        },
-    }
+    return workload_config(shared, cfg, method_config, policies)
 
 
 CellKey = tuple[str, float, int]  # method, budget, item index
