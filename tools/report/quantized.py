@@ -16,6 +16,11 @@ QUANTIZED_EVAL = tuple(
     for c in ("simple_python", "live_simple", "multiple", "live_multiple")
 )
 QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays, at low precision
+# the frozen evaluation of PASK with precision actions over items 160-184: per category a file of full KV and PASK v2
+# (`base`) and one of PASK v3 and KIVI (`v3`); the categories whose run is complete, in the order they ran
+ACTIONS_EVAL = tuple(
+    f"results/actions_eval/bfcl_items160_184_{c}_{group}.json" for c in ("simple_python",) for group in ("base", "v3")
+)
 ACTIONS_DEV = (  # PASK with precision actions on the dev split, beside the baselines on the same items
     "results/dev_actions/dev_calib6.json",
     "results/dev_actions/dev_calib18_short.json",
@@ -46,8 +51,10 @@ def _bytes(items: list[dict]) -> str:
     return f"{mean:.3f} / {max(i['kv_bytes_ratio_max'] for i in items):.3f}"
 
 
-def quantized_vs_full(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> str:
-    result = _merged(root, files)
+def _vs_full(result: dict, sample: str, leaders: Callable[[str], bool], leader_kind: str) -> str:
+    """Every (method, budget) against full KV on the same items: correct, the recall of full KV's correct set, the
+    items full KV misses, bytes, the paired difference and McNemar p; the claim names, per budget, the row of
+    `leaders` (a method-name test) with the highest recall."""
     full = outcomes(result, "full", 1.0)
     answered = [i for i, ok in full.items() if ok]
     rows, best = [], {}
@@ -62,20 +69,27 @@ def quantized_vs_full(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> str:
             [f"{method} @ {budget:g}", f"{pair.right_a} / {pair.items}", f"{100 * recall:.1f}", extra]
             + [_bytes(items_of(result, method, budget)), pair.difference, pair.p]
         )
-        if method in QUANTIZED and recall > best.get(budget, ("", -1.0))[1]:
+        if leaders(method) and recall > best.get(budget, ("", -1.0))[1]:
             best[budget] = (method, recall)
     head = ["method @ b", "correct", "% of full KV's correct", "correct where full KV is not"]
     head += ["bytes / full bf16, mean / max", "- full KV, points [95% CI]", "McNemar p"]
-    cats = ", ".join(Path(f).stem.removeprefix("bfcl_items110_134_") for f in files)
     claim = (
-        f"On BFCL items 110-134 of {cats} ({len(full)} items, none scored before), full KV answers {len(answered)}; "
-        + "; ".join(
-            f"at b = {b:g} the best uniform quantizer ({m}) answers {100 * r:.1f}% of them"
-            for b, (m, r) in best.items()
-        )
+        f"On {sample} ({len(full)} items, none scored before), full KV answers {len(answered)}; "
+        + "; ".join(f"at b = {b:g} {leader_kind} ({m}) answers {100 * r:.1f}% of them" for b, (m, r) in best.items())
         + ". Budgets in bytes, metadata counted; the byte cap held at every step (max column)."
     )
     return f"**Claim.** {claim}\n\n" + _table(head, rows)
+
+
+def _categories(files: Sequence[str], prefix: str) -> str:
+    return ", ".join(
+        dict.fromkeys(Path(f).stem.removeprefix(prefix).removesuffix("_base").removesuffix("_v3") for f in files)
+    )
+
+
+def quantized_vs_full(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> str:
+    sample = f"BFCL items 110-134 of {_categories(files, 'bfcl_items110_134_')}"
+    return _vs_full(_merged(root, files), sample, QUANTIZED.__contains__, "the best uniform quantizer")
 
 
 def quantized_vs_eviction(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> str:
@@ -92,6 +106,24 @@ def quantized_vs_eviction(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> 
             )
         )
     claim = "The best uniform quantizer against the best eviction method (bf16 or int4 entries) at each budget."
+    return f"**Claim.** {claim}\n\n" + _table(("A - B @ b", *PAIRED_HEAD), rows)
+
+
+def actions_eval_vs_full(root: Path, files: Sequence[str] = ACTIONS_EVAL) -> str:
+    sample = f"BFCL items 160-184 of {_categories(files, 'bfcl_items160_184_')}"
+    return _vs_full(_merged(root, files), sample, "pask:v3".__eq__, "PASK with precision actions")
+
+
+def actions_eval_vs_strongest(root: Path, files: Sequence[str] = ACTIONS_EVAL) -> str:
+    """Per budget, PASK with precision actions against the other compressed row with the most correct items."""
+    result = _merged(root, files)
+    rows = []
+    for budget in sorted({b for m, b in _keys(result) if m != "full"}):
+        correct = {m: sum(outcomes(result, m, b).values()) for m, b in _keys(result) if b == budget}
+        other = max((m for m in correct if m != "pask:v3"), key=correct.__getitem__)
+        pair = paired(outcomes(result, "pask:v3", budget), outcomes(result, other, budget))
+        rows.append(pair.row(f"pask:v3 - {other} @ {budget:g}"))
+    claim = "PASK with precision actions against the strongest other compressed row at each budget, item by item."
     return f"**Claim.** {claim}\n\n" + _table(("A - B @ b", *PAIRED_HEAD), rows)
 
 
@@ -150,6 +182,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "quantized_vs_full": quantized_vs_full,
     "quantized_vs_eviction": quantized_vs_eviction,
     "quantized_serving": quantized_serving,
+    "actions_eval_vs_full": actions_eval_vs_full,
+    "actions_eval_vs_strongest": actions_eval_vs_strongest,
     "actions_dev": actions_dev,
     "actions_dev_multiple": actions_dev_multiple,
     "actions_dev_all": actions_dev_all,
