@@ -7,10 +7,10 @@ Which keywords do what is the table ``SCHEMA_KEYWORDS`` (keyword -> (status, not
 compiled into the grammar; ANNOTATION keywords (``description``, ``title``, ``examples``, ...) constrain nothing and
 are dropped, which is exact; LOOSENED ones are constraints the grammar does not enforce (``multipleOf``,
 ``uniqueItems``, ``oneOf`` whose branches can overlap; likewise a ``format`` other than ``ENFORCED_FORMATS``):
-a schema using one is refused with ``Unenforceable`` (a ``GrammarError``) naming the keyword, where it is and the
-backends that enforce it, unless the caller opts in to the loosening (``enforced_schema(..., loosen=True)``;
-``grammar_backend="outlines-loose"``), which drops them (the grammar then allows values the schema refuses: check
-them after parsing). REFUSED ones, and keywords absent from the table, raise ``Unenforceable`` always. Rules where
+a schema using one is refused with ``Unenforceable`` (a ``GrammarError``) naming the keyword, where it is and
+whether llguidance enforces it (``GUIDANCE_ENFORCED``, ``GUIDANCE_FORMATS``), unless the caller opts in to the
+loosening (``enforced_schema(..., loosen=True)``; ``grammar_backend="outlines-loose"``), which drops them (the
+grammar then allows values the schema refuses: check them after parsing). REFUSED ones, and keywords absent from the table, raise ``Unenforceable`` always. Rules where
 JSON Schema leaves a choice:
 
 - Keys are written in the order ``properties`` declares them (outlines-core's order); optional ones may be left out.
@@ -56,11 +56,11 @@ class Unenforceable(GrammarError):
 
 ENFORCED, ANNOTATION, LOOSENED, REFUSED = "enforced", "annotation", "loosened", "refused"
 GUIDANCE_HINT = "grammar_backend 'llguidance' enforces more keywords"  # the other backend, said where ours refuses
-# said where a LOOSENED constraint is refused: who enforces it, and the explicit opt-in to the loosening
-LOOSEN_HINT = (
-    "grammar_backend 'llguidance' (or 'auto') enforces it; 'outlines-loose' drops it, allowing values the schema "
-    "refuses"
-)
+# The LOOSENED constraints llguidance 1.9.1 enforces (it refuses uniqueItems, a oneOf whose branches overlap and
+# formats it does not know): where ours refuses one, the error says whether grammar_backend 'llguidance' takes it.
+GUIDANCE_ENFORCED = ("multipleOf",)
+GUIDANCE_FORMATS = ("duration", "email", "hostname", "ipv4", "ipv6", "time", "uri")
+LOOSE_HINT = "'outlines-loose' drops it, allowing values the schema refuses"  # the explicit opt-in to the loosening
 MAX_REF_DEPTH = 3  # how many times one recursive $ref is unrolled
 _DATE = (  # YYYY-MM-DD with the days each month has; 29 February in leap years only
     "(?:[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"

@@ -23,9 +23,11 @@ from pask_jax.structure.schema import (
     FORMAT_PATTERNS,
     FREE_DICT_VALUE,
     FREE_ITEM,
+    GUIDANCE_ENFORCED,
+    GUIDANCE_FORMATS,
     GUIDANCE_HINT,
     JSON_TYPES,
-    LOOSEN_HINT,
+    LOOSE_HINT,
     LOOSENED,
     MAX_REF_DEPTH,
     NUMERIC_BOUNDS,
@@ -60,11 +62,15 @@ class _Rewriter:
         """A well-formed schema our translation cannot enforce exactly."""
         return self.error(path, message, Unenforceable)
 
-    def check_enforced(self, path: str, what: str, note: str) -> None:
-        """Refuse a LOOSENED constraint (``what``: the keyword, or a format) unless the caller opted in."""
+    def check_enforced(self, path: str, what: str, note: str, by_guidance: bool) -> None:
+        """Refuse a LOOSENED constraint (``what``: the keyword, or a format) unless the caller opted in; the message
+        says whether llguidance enforces it (``by_guidance``) and how to opt in."""
         if not self.loosen:
+            other = (
+                "grammar_backend 'llguidance' (or 'auto') enforces it" if by_guidance else "llguidance refuses it too"
+            )
             raise self.unsupported(
-                path, f"{what} is not enforced by grammar_backend 'outlines' ({note}): {LOOSEN_HINT}"
+                path, f"{what} is not enforced by grammar_backend 'outlines' ({note}): {other}; {LOOSE_HINT}"
             )
 
     def node(self, schema: Any, path: str) -> dict | None:
@@ -84,11 +90,11 @@ class _Rewriter:
             if status[0] == REFUSED:
                 raise self.unsupported(path, f"keyword {key!r} is refused: {status[1]} ({GUIDANCE_HINT})")
             if status[0] == LOOSENED and key != "oneOf":  # oneOf: when its branches can overlap (combinator)
-                self.check_enforced(path, f"keyword {key!r}", status[1])
+                self.check_enforced(path, f"keyword {key!r}", status[1], key in GUIDANCE_ENFORCED)
         if "format" in schema and schema["format"] not in FORMAT_PATTERNS:
-            self.check_enforced(
-                path, f"'format' {schema['format']!r}", f"the enforced ones are {list(FORMAT_PATTERNS)}"
-            )
+            fmt = schema["format"]
+            note = f"the enforced ones are {list(FORMAT_PATTERNS)}"
+            self.check_enforced(path, f"'format' {fmt!r}", note, fmt in GUIDANCE_FORMATS)
         if any(k in schema for k in NUMERIC_BOUNDS):
             low, high = read_bounds(schema, lambda message: self.error(path, message))
             unbounded = {k: v for k, v in schema.items() if k not in NUMERIC_BOUNDS}
@@ -136,9 +142,8 @@ class _Rewriter:
             return self.node(value[0], f"{path}/allOf/0")
         outs = [self.node(branch, f"{path}/{keyword}/{i}") for i, branch in enumerate(value)]
         if keyword == "oneOf" and not self.one_of_is_exact(value, outs):
-            self.check_enforced(
-                path, "keyword 'oneOf'", "its branches can overlap, and anyOf accepts a value matching several"
-            )
+            note = "its branches can overlap, and anyOf accepts a value matching several"
+            self.check_enforced(path, "keyword 'oneOf'", note, by_guidance=False)
         branches = []
         for out in outs:
             if out is not None:
