@@ -10,8 +10,8 @@ are dropped, which is exact; LOOSENED ones are constraints the grammar does not 
 a schema using one is refused with ``Unenforceable`` (a ``GrammarError``) naming the keyword, where it is and
 whether llguidance enforces it (``GUIDANCE_ENFORCED``, ``GUIDANCE_FORMATS``), unless the caller opts in to the
 loosening (``enforced_schema(..., loosen=True)``; ``grammar_backend="outlines-loose"``), which drops them (the
-grammar then allows values the schema refuses: check them after parsing). REFUSED ones, and keywords absent from the table, raise ``Unenforceable`` always. Rules where
-JSON Schema leaves a choice:
+grammar then allows values the schema refuses: check them after parsing). REFUSED ones, and keywords absent from
+the table, raise ``Unenforceable`` always. Rules where JSON Schema leaves a choice:
 
 - Keys are written in the order ``properties`` declares them (outlines-core's order); optional ones may be left out.
 - ``additionalProperties`` absent means false when ``properties`` is declared (no keys but the declared ones; OpenAI's
