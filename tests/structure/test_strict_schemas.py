@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from outlines_core import Index, Vocabulary
 
+from pask_jax.arguments import grammar_backend
 from pask_jax.requests import RequestBuilder, RequestError
 from pask_jax.structure import GrammarError, compile_json_grammar, parse_tools
 from pask_jax.structure import backend as B
@@ -225,3 +226,8 @@ def test_date_has_the_days_each_month_has():
         assert byte_accepts(schema, good), good
     for bad in ("2023-02-29", "1900-02-29", "2023-04-31", "2023-13-01", "2023-00-10"):
         assert not byte_accepts(schema, bad), bad
+
+
+def test_the_command_line_takes_the_new_backends():
+    assert grammar_backend("outlines-loose") == "outlines-loose"
+    assert grammar_backend("auto") == "auto"  # llguidance or not: it is needed only for the schemas ours refuses
