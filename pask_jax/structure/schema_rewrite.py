@@ -153,15 +153,15 @@ class _Rewriter:
         return branches[0] if len(branches) == 1 else {"anyOf": branches}
 
     def one_of_is_exact(self, branches: list, outs: list[dict | None]) -> bool:
-        """Whether ``oneOf`` compiled as ``anyOf`` is exact: no value is valid for two of the branches as written
-        (every branch generated: a branch cut from the grammar is not judged)."""
+        """Whether ``oneOf`` compiled as ``anyOf`` is exact: no value is valid for two of the branches as written (a
+        branch the rewrite cut, a recursion past ``MAX_REF_DEPTH``, is not shown to be apart: not exact)."""
         if any(out is None and branch is not False for branch, out in zip(branches, outs, strict=True)):
             return False
         return all(self.excludes(a, b) for a, b in itertools.combinations(branches, 2))
 
     def excludes(self, a: Any, b: Any, depth: int = 0) -> bool:
         """Whether no value is valid for both schemas ``a`` and ``b`` (False where that is not shown: conservative):
-        different JSON types, enum / const values in common with none, or a common required property whose values
+        different JSON types, enum / const lists without a common value, or a common required property whose values
         exclude each other in two object schemas."""
         if depth > _MAX_EXCLUDES_DEPTH:
             return False
