@@ -6,7 +6,8 @@ rules; ``tools`` turns OpenAI tool lists into function dicts and their call sche
 Which keywords do what is the table ``SCHEMA_KEYWORDS`` (keyword -> (status, note)): ENFORCED keywords are
 compiled into the grammar; ANNOTATION keywords (``description``, ``title``, ``examples``, ...) constrain nothing and
 are dropped, which is exact; LOOSENED ones are constraints the grammar does not enforce (``multipleOf``,
-``uniqueItems``, ``oneOf`` whose branches can overlap; likewise a ``format`` other than ``ENFORCED_FORMATS``):
+``uniqueItems``, ``oneOf`` whose branches can overlap; likewise a ``format`` other than ``ENFORCED_FORMATS`` on a
+value that may be a string; ``uniqueItems: false`` and ``multipleOf: 1`` on integers constrain nothing and are exact):
 a schema using one is refused with ``Unenforceable`` (a ``GrammarError``) naming the keyword, where it is and
 whether llguidance enforces it (``GUIDANCE_ENFORCED``, ``GUIDANCE_FORMATS``), unless the caller opts in to the
 loosening (``enforced_schema(..., loosen=True)``; ``grammar_backend="outlines-loose"``), which drops them (the

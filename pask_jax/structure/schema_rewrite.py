@@ -47,6 +47,21 @@ _TYPE_KEYWORDS = {  # keywords that apply to one type only: a schema without "ty
 }
 
 
+def _no_op(key: str, schema: dict) -> bool:
+    """Whether a LOOSENED keyword constrains nothing here, so dropping it is exact: ``uniqueItems: false``, or
+    ``multipleOf: 1`` on integers."""
+    if key == "uniqueItems":
+        return schema[key] is False
+    return key == "multipleOf" and schema[key] == 1 and schema.get("type") == "integer"
+
+
+def _may_be_string(schema: dict) -> bool:
+    """Whether a value of `schema` may be a string: ``format`` constrains strings only (JSON Schema), so on a schema
+    typed otherwise (OpenAPI's ``format: int32`` on an integer) dropping it is exact."""
+    types = schema.get("type", "string")
+    return "string" in ([types] if isinstance(types, str) else types)
+
+
 class _Rewriter:
     """One pass over one root schema; ``where`` ("function 'f'", "response_format") names it in errors; ``loosen``
     drops the LOOSENED constraints instead of refusing them."""
@@ -89,9 +104,9 @@ class _Rewriter:
                 )
             if status[0] == REFUSED:
                 raise self.unsupported(path, f"keyword {key!r} is refused: {status[1]} ({GUIDANCE_HINT})")
-            if status[0] == LOOSENED and key != "oneOf":  # oneOf: when its branches can overlap (combinator)
+            if status[0] == LOOSENED and key != "oneOf" and not _no_op(key, schema):  # oneOf: see combinator
                 self.check_enforced(path, f"keyword {key!r}", status[1], key in GUIDANCE_ENFORCED)
-        if "format" in schema and schema["format"] not in FORMAT_PATTERNS:
+        if "format" in schema and schema["format"] not in FORMAT_PATTERNS and _may_be_string(schema):
             fmt = schema["format"]
             note = f"the enforced ones are {list(FORMAT_PATTERNS)}"
             self.check_enforced(path, f"'format' {fmt!r}", note, fmt in GUIDANCE_FORMATS)

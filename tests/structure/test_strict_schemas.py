@@ -231,3 +231,15 @@ def test_date_has_the_days_each_month_has():
 def test_the_command_line_takes_the_new_backends():
     assert grammar_backend("outlines-loose") == "outlines-loose"
     assert grammar_backend("auto") == "auto"  # llguidance or not: it is needed only for the schemas ours refuses
+
+
+@pytest.mark.parametrize(
+    ("schema", "accepted", "refused"),
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False}, [1, 1], ["a"]),
+        ({"type": "integer", "multipleOf": 1}, 3, 1.5),
+        ({"type": "integer", "format": "int32"}, 7, "7"),  # OpenAPI's format on a non-string: nothing to enforce
+    ],
+)
+def test_a_loosened_keyword_that_constrains_nothing_here_is_exact(schema, accepted, refused):
+    assert byte_accepts(schema, accepted) and not byte_accepts(schema, refused)
