@@ -22,7 +22,9 @@ METHOD_NAMES = (
 )  # = methods.METHODS
 STORAGE_NAMES = ("bf16", "int8", "fp8", "int4")  # what `NAME@STORAGE` may store an eviction method's entries as
 LOW_STORAGE_NAMES = ("kivi2", "kivi4")  # `calibrate --low-storage`: the block formats (`storage.BLOCK_FORMATS`)
-GRAMMAR_BACKENDS = ("outlines", "llguidance")  # ours (schema translation + outlines-core), or llguidance's compiler
+# = structure.backend.BACKENDS: ours (schema translation + outlines-core; "-loose": unenforced constraints dropped,
+# not refused), llguidance's compiler, or per request ours where it enforces every keyword, else llguidance
+GRAMMAR_BACKENDS = ("outlines", "outlines-loose", "llguidance", "auto")
 
 
 def method_spec(spec: str) -> str:
@@ -38,7 +40,8 @@ def method_spec(spec: str) -> str:
 
 
 def grammar_backend(name: str) -> str:
-    """A grammar backend, its optional package importable (found without importing it)."""
+    """A grammar backend, its optional package importable (found without importing it; "auto" needs llguidance only
+    for the schemas ours does not enforce, and says so for those)."""
     import importlib.util
 
     if name not in GRAMMAR_BACKENDS:

@@ -327,7 +327,9 @@ def main(argv: list[str] | None = None) -> None:
         "--grammar-backend",
         type=grammar_backend,
         default="outlines",
-        help="outlines: our schema translation + outlines-core; llguidance: llguidance's JSON Schema compiler",
+        help="outlines: our schema translation + outlines-core (a schema constraint it does not enforce is refused); "
+        "outlines-loose: the same, such constraints dropped; llguidance: llguidance's JSON Schema compiler; auto: "
+        "outlines where it enforces every keyword, else llguidance",
     )
     p.set_defaults(func=cmd_run, check=_check_run)
     p = sub.add_parser("compare", help="print the answers of several `run` outputs side by side")

@@ -162,7 +162,8 @@ def parse_request(
     body: Any, *, default_max_tokens: int = DEFAULT_MAX_TOKENS, check_schemas: bool = True
 ) -> ChatRequest:
     """Validate an OpenAI chat-completions body -> ChatRequest (RequestError naming the problem). `check_schemas`:
-    refuse tool schemas our grammar cannot enforce now (False: the llguidance backend judges them when it compiles)."""
+    refuse tool schemas our grammar cannot enforce exactly now (False: left to the grammar backend,
+    `RequestBuilder.parse`)."""
     if not isinstance(body, dict):
         raise RequestError(f"a request body must be a JSON object, got {type(body).__name__}")
     for key, honoured in REFUSED_FIELDS.items():
@@ -232,8 +233,10 @@ class RequestBuilder:
     """Renders, tokenizes, labels and compiles requests for one tokenizer and chat template.
 
     `max_context`: prompt + max_tokens must fit (RequestError otherwise, before any device work). `grammar_backend`:
-    ``"outlines"`` (our schema translation and outlines-core) or ``"llguidance"`` (`structure.guidance`), chosen by
-    `structure.backend.backend_for` (`self.backend`: it compiles the grammars and gives their constraint).
+    ``"outlines"`` (our schema translation and outlines-core; a constraint it does not enforce is refused),
+    ``"outlines-loose"`` (the same, such constraints dropped), ``"llguidance"`` (`structure.guidance`) or ``"auto"``
+    (outlines where it enforces every keyword, else llguidance), chosen by `structure.backend.backend_for`
+    (`self.backend`: it checks tool schemas, compiles the grammars and gives their constraint).
     """
 
     def __init__(
@@ -252,7 +255,12 @@ class RequestBuilder:
 
     def parse(self, body: Any) -> ChatRequest:
         """`parse_request`, its tool schemas judged by this builder's grammar backend."""
-        return parse_request(body, check_schemas=self.backend.checks_schemas)
+        request = parse_request(body, check_schemas=False)
+        try:
+            self.backend.check_tools(request.tools)
+        except ValueError as e:
+            raise RequestError(f"tools: {e}") from None
+        return request
 
     def check_length(self, ids: Sequence[int], max_tokens: int) -> None:
         if self.max_context is not None and len(ids) + max_tokens > self.max_context:

@@ -203,6 +203,52 @@ class GrammarConstraint(RowConstraint):
         return role
 
 
+class SplitConstraint:
+    """Rows decoded under different constraints, as one ``TokenConstraint``: each part owns some rows of the batch
+    (grammar_backend "auto" decodes our grammars and llguidance's side by side). Host seconds and steps are the
+    parts' own."""
+
+    def __init__(self, parts: Sequence[tuple[Sequence[int], RowConstraint]], batch: int):
+        self.parts = [(np.asarray(rows, np.int64), constraint) for rows, constraint in parts]
+        self.batch = batch
+        if sorted(np.concatenate([rows for rows, _ in self.parts]).tolist()) != list(range(batch)):
+            raise ValueError(f"the parts must own each of the {batch} rows once")
+
+    def mask(self) -> np.ndarray:
+        masks = [(rows, constraint.mask()) for rows, constraint in self.parts]
+        out = np.empty((self.batch, masks[0][1].shape[1]), np.int32)  # the parts share the model's vocabulary
+        for rows, m in masks:
+            out[rows] = m
+        return out
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        tokens = np.asarray(tokens).reshape(-1)
+        if tokens.shape[0] != self.batch:
+            raise ValueError(f"advance got {tokens.shape[0]} tokens for a batch of {self.batch}")
+        roles = np.empty(self.batch, np.int32)
+        for rows, constraint in self.parts:
+            roles[rows] = constraint.advance(tokens[rows])
+        return roles
+
+    def called_tools(self) -> np.ndarray:
+        called = np.empty(self.batch, np.int32)
+        for rows, constraint in self.parts:
+            called[rows] = constraint.called_tools()
+        return called
+
+    @property
+    def mask_s(self) -> float:
+        return sum(constraint.mask_s for _, constraint in self.parts)
+
+    @property
+    def advance_s(self) -> float:
+        return sum(constraint.advance_s for _, constraint in self.parts)
+
+    @property
+    def steps(self) -> int:
+        return max(constraint.steps for _, constraint in self.parts)
+
+
 class FreeTextConstraint:
     """Unconstrained text as a ``TokenConstraint``: any of the tokenizer's ids until an EOS id, then only EOS ids.
 

@@ -247,6 +247,7 @@ def compile_grammar(
     parallel: bool = True,
     framing: str = "tool_call",
     whitespace: str | None = None,
+    loosen: bool = False,
 ) -> CompiledGrammar:
     """Compile (or fetch from the LRU cache) the grammar of an assistant turn calling ``functions`` (function dicts
     from ``parse_tools``).
@@ -257,17 +258,18 @@ def compile_grammar(
     (Qwen's 151k-token vocabulary, CPU seconds per tool list, tool_call framing): median ~1 s for one function,
     ~2-3 s for a few, ~6 s for long tool lists of 10-20 functions; up
     to ~9 s for a free-form dict (every string state carries ~150k token transitions; such an index holds ~60-90 MB).
-    The role walk adds ~10%. Raises GrammarError naming the function when a schema cannot be compiled.
+    The role walk adds ~10%. Raises GrammarError naming the function when a schema cannot be compiled, before the
+    index is built when a keyword is not enforced (``loosen=True``: drop those constraints instead).
     """
     vocab = grammar_vocabulary(tokenizer)
     # the host restarts the guide between parallel calls only before an atomic <tool_call> token
     regex = tool_call_regex(
         functions, framing, parallel, tool_choice=tool_choice, vocab=vocab, whitespace=whitespace,
-        host_repeat=vocab.atomic_calls,
+        host_repeat=vocab.atomic_calls, loosen=loosen,
     )  # fmt: skip
 
     def explain(exc: Exception) -> GrammarError:
-        return _index_error(functions, framing, vocab, whitespace, exc)
+        return _index_error(functions, framing, vocab, whitespace, loosen, exc)
 
     kind = "auto" if tool_choice == "auto" else "tool_calls"
     names = tuple(f["name"] for f in functions)
@@ -275,15 +277,15 @@ def compile_grammar(
 
 
 def compile_json_grammar(
-    schema: dict | None, tokenizer: Tokenizer, *, whitespace: str | None = None
+    schema: dict | None, tokenizer: Tokenizer, *, whitespace: str | None = None, loosen: bool = False
 ) -> CompiledGrammar:
     """The grammar of a ``response_format`` turn: one JSON value of ``schema`` (``json_schema``), or any JSON object
     when ``schema`` is None (``json_object``; shallow, as any free-form object: its values are scalars or lists of
     scalars; ~5 s to compile for Qwen's vocabulary), then the end of turn. Keys are ARG_KEY, values ARG_STRING /
     ARG_NUMBER / ARG_LITERAL, punctuation STRUCTURAL. Raises GrammarError naming the keyword for what the grammar
-    cannot enforce."""
+    cannot enforce (``loosen=True``: drop the constraints it does not enforce instead)."""
     vocab = grammar_vocabulary(tokenizer)
-    enforced = enforced_schema(JSON_OBJECT if schema is None else schema, "response_format")
+    enforced = enforced_schema(JSON_OBJECT if schema is None else schema, "response_format", loosen=loosen)
     regex = json_regex(enforced, vocab=vocab, whitespace=whitespace)
 
     def explain(exc: Exception) -> GrammarError:
@@ -296,7 +298,12 @@ def compile_json_grammar(
 
 
 def _index_error(
-    functions: Sequence[dict], framing: str, vocab: GrammarVocabulary, whitespace: str | None, exc: Exception
+    functions: Sequence[dict],
+    framing: str,
+    vocab: GrammarVocabulary,
+    whitespace: str | None,
+    loosen: bool,
+    exc: Exception,
 ) -> GrammarError:
     """Index construction failed for the whole tool list: name the function whose own regex fails.
 
@@ -307,7 +314,9 @@ def _index_error(
         tiny = Vocabulary(256, {bytes([i]): [i] for i in range(256)})
         for function in functions:
             try:
-                Index(tool_call_regex([function], framing, False, vocab=vocab, whitespace=whitespace), tiny)
+                Index(
+                    tool_call_regex([function], framing, False, vocab=vocab, whitespace=whitespace, loosen=loosen), tiny
+                )
             except Exception:
                 culprit = function["name"]
                 break

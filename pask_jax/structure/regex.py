@@ -119,10 +119,10 @@ def _range_placeholders(schema: dict) -> tuple[dict, dict[str, str]]:
     return walk(schema), ranges
 
 
-def _calls_regex(functions: Sequence[dict], whitespace: str) -> str:
+def _calls_regex(functions: Sequence[dict], whitespace: str, loosen: bool) -> str:
     if not functions:
         raise GrammarError("the tool list is empty: a tool-call grammar needs at least one function")
-    calls = [schema_regex(call_schema(f), whitespace, f"function {f['name']!r}") for f in functions]
+    calls = [schema_regex(call_schema(f, loosen=loosen), whitespace, f"function {f['name']!r}") for f in functions]
     return "(?:" + "|".join(f"(?:{call})" for call in calls) + ")"
 
 
@@ -150,6 +150,7 @@ def tool_call_regex(
     vocab: GrammarVocabulary | None = None,
     whitespace: str | None = None,
     host_repeat: bool = True,
+    loosen: bool = False,
 ) -> str:
     """The regex of an assistant turn: one call (``parallel``: one or more, separated by newlines), then the end.
 
@@ -167,17 +168,18 @@ def tool_call_regex(
     ``tool_choice="auto"`` (``tool_call`` framing only): a text answer then the end of turn, or the calls as above,
     the first of which may also be written bare or in a ```` ```json ```` fence (the module docstring).
     ``vocab`` supplies the framing symbols (default: Qwen's special tokens as the marker bytes ``\\x02``,
-    ``\\x03``, ``\\x04``); ``whitespace`` overrides the framing's whitespace pattern inside the JSON.
+    ``\\x03``, ``\\x04``); ``whitespace`` overrides the framing's whitespace pattern inside the JSON. ``loosen``:
+    drop the constraints the grammar does not enforce instead of refusing them (``schema_rewrite.enforced_schema``).
     """
     check_choice(framing, tool_choice, vocab)
     call_open, call_close, end = (
         (vocab.call_open, vocab.call_close, vocab.end_of_turn) if vocab is not None else (r"\x02", r"\x03", r"\x04")
     )
     if framing == "json_fence":
-        call = _calls_regex(functions, FENCE_WHITESPACE if whitespace is None else whitespace)
+        call = _calls_regex(functions, FENCE_WHITESPACE if whitespace is None else whitespace, loosen)
         calls = f"{call}(?:\\n{call})*" if parallel else call
         return f"```json\\n{calls}\\n```{end}"
-    call = _calls_regex(functions, TIGHT_WHITESPACE if whitespace is None else whitespace)
+    call = _calls_regex(functions, TIGHT_WHITESPACE if whitespace is None else whitespace, loosen)
     close = f"\\n{call_close}" + (f"(?:\\n|{end})" if parallel and host_repeat else end)
     if tool_choice == "auto":  # one call automaton for every opening (see the module docstring)
         return f"(?:{FREE_TEXT}{end}|(?:{call_open}\\n|```json\\n)?{call}(?:{close}|\\n```{end}|{end}))"

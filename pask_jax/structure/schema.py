@@ -4,10 +4,15 @@
 rules; ``tools`` turns OpenAI tool lists into function dicts and their call schemas.
 
 Which keywords do what is the table ``SCHEMA_KEYWORDS`` (keyword -> (status, note)): ENFORCED keywords are
-compiled into the grammar; LOOSENED ones are dropped (annotations such as ``description``, and constraints the
-grammar does not enforce, such as ``multipleOf``: the grammar then allows values the schema refuses, so check them
-after parsing); REFUSED ones, and keywords absent from the table, raise ``GrammarError`` naming the keyword,
-where it is and the function. Rules where JSON Schema leaves a choice:
+compiled into the grammar; ANNOTATION keywords (``description``, ``title``, ``examples``, ...) constrain nothing and
+are dropped, which is exact; LOOSENED ones are constraints the grammar does not enforce (``multipleOf``,
+``uniqueItems``, ``oneOf`` whose branches can overlap; likewise a ``format`` other than ``ENFORCED_FORMATS`` on a
+value that may be a string; ``uniqueItems: false`` and ``multipleOf: 1`` on integers constrain nothing and are exact):
+a schema using one is refused with ``Unenforceable`` (a ``GrammarError``) naming the keyword, where it is and
+whether llguidance enforces it (``GUIDANCE_ENFORCED``, ``GUIDANCE_FORMATS``), unless the caller opts in to the
+loosening (``enforced_schema(..., loosen=True)``; ``grammar_backend="outlines-loose"``), which drops them (the
+grammar then allows values the schema refuses: check them after parsing). REFUSED ones, and keywords absent from
+the table, raise ``Unenforceable`` always. Rules where JSON Schema leaves a choice:
 
 - Keys are written in the order ``properties`` declares them (outlines-core's order); optional ones may be left out.
 - ``additionalProperties`` absent means false when ``properties`` is declared (no keys but the declared ones; OpenAI's
@@ -23,6 +28,12 @@ where it is and the function. Rules where JSON Schema leaves a choice:
   ``GrammarError`` when nothing is left).
 - A type without a ``type`` keyword is inferred from type-specific keywords (``properties`` -> object, ``items`` ->
   array, ``pattern`` -> string, ...); ``enum`` / ``const`` values of another type than the declared one are dropped.
+- ``oneOf`` is compiled as ``anyOf``, which is exact when no value matches two branches: branches of different JSON
+  types, ``enum`` / ``const`` branches without a common value, or object branches with a common required property
+  whose values cannot be equal (a tagged union); ``oneOf`` branches that may overlap are LOOSENED.
+- ``format`` values are written as patterns (``FORMAT_PATTERNS``): the calendar is exact (days per month, 29
+  February in leap years), ``date-time`` needs its zone (``Z`` or ``+hh:mm``), as RFC 3339 says; ``T`` and ``Z`` are
+  upper case and a ``uuid`` lower case (a narrowing).
 - ``$ref``, ``anyOf``, ``oneOf`` and ``allOf`` (of one schema) take no constraining sibling keywords; ``enum`` /
   ``const`` none but ``type``. Numeric bounds are the exception: they apply to every number the schema allows (the
   ``integer`` / ``number`` branches, ``enum`` / ``const`` values out of range dropped) and leave other types alone,
@@ -39,11 +50,32 @@ class GrammarError(ValueError):
     """A tool list, schema or tokenizer cannot be turned into a grammar; the message names the cause and the fix."""
 
 
-ENFORCED, LOOSENED, REFUSED = "enforced", "loosened", "refused"
+class Unenforceable(GrammarError):
+    """A schema our translation cannot enforce exactly (a REFUSED or unknown keyword, a LOOSENED constraint, a
+    construct it refuses), though the schema itself is well formed: grammar_backend "auto" gives it to llguidance."""
+
+
+ENFORCED, ANNOTATION, LOOSENED, REFUSED = "enforced", "annotation", "loosened", "refused"
 GUIDANCE_HINT = "grammar_backend 'llguidance' enforces more keywords"  # the other backend, said where ours refuses
+# The LOOSENED constraints llguidance 1.9.1 enforces (it refuses uniqueItems, a oneOf whose branches overlap and
+# formats it does not know): where ours refuses one, the error says whether grammar_backend 'llguidance' takes it.
+GUIDANCE_ENFORCED = ("multipleOf",)
+GUIDANCE_FORMATS = ("duration", "email", "hostname", "ipv4", "ipv6", "time", "uri")
+LOOSE_HINT = "'outlines-loose' drops it, allowing values the schema refuses"  # the explicit opt-in to the loosening
 MAX_REF_DEPTH = 3  # how many times one recursive $ref is unrolled
-ENFORCED_FORMATS = ("date", "date-time", "uuid")
-_ANNOTATION = (LOOSENED, "an annotation: nothing to enforce")
+_DATE = (  # YYYY-MM-DD with the days each month has; 29 February in leap years only
+    "(?:[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    "|02-(?:0[1-9]|1[0-9]|2[0-8]))|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)-02-29)"
+)
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?"
+_OFFSET = "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+FORMAT_PATTERNS = {  # the formats the grammar enforces, as the patterns of the string's text (RFC 3339, RFC 4122)
+    "date": _DATE,
+    "date-time": f"{_DATE}T{_TIME}{_OFFSET}",
+    "uuid": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+}
+ENFORCED_FORMATS = tuple(FORMAT_PATTERNS)
+_ANNOTATION = (ANNOTATION, "nothing to enforce: dropped")
 _BOUND_NOTE = "exact for any finite decimal bound; a bounded number is written without an exponent"
 SCHEMA_KEYWORDS: dict[str, tuple[str, str]] = {
     "type": (ENFORCED, 'a type name or a list of them ("null" included)'),
@@ -64,22 +96,26 @@ SCHEMA_KEYWORDS: dict[str, tuple[str, str]] = {
     ),
     "format": (
         ENFORCED,
-        f"only {', '.join(ENFORCED_FORMATS)} (the shape of each field, not the calendar; date-time's zone is "
-        "optional 'Z'); other formats are loosened: outlines-core 0.2.14 has no pattern for most, and its patterns "
-        'for time, email and uri admit " or a lone \\ inside the string',
+        f"only {', '.join(ENFORCED_FORMATS)} (FORMAT_PATTERNS: the calendar exact, date-time's zone required); other "
+        "formats are loosened: outlines-core 0.2.14 has no pattern for most, and its patterns for time, email and "
+        'uri admit " or a lone \\ inside the string',
     ),
     "anyOf": (ENFORCED, "no constraining sibling keywords"),
     "allOf": (ENFORCED, "of exactly one schema (as pydantic writes a $ref with a description); no siblings"),
     "$ref": (ENFORCED, f"local references, inlined; recursion unrolled {MAX_REF_DEPTH} times; no siblings"),
     "$defs": (ENFORCED, "where $ref looks"),
     "definitions": (ENFORCED, "where $ref looks"),
-    "oneOf": (LOOSENED, "compiled as anyOf: a value matching several branches is accepted"),
+    "oneOf": (
+        LOOSENED,
+        "compiled as anyOf: exact where no value matches two branches (see the module docstring), else loosened "
+        "(a value matching several branches is accepted)",
+    ),
     "minimum": (ENFORCED, _BOUND_NOTE),
     "maximum": (ENFORCED, _BOUND_NOTE),
     "exclusiveMinimum": (ENFORCED, f"{_BOUND_NOTE}; a boolean (draft 4) makes 'minimum' exclusive"),
     "exclusiveMaximum": (ENFORCED, f"{_BOUND_NOTE}; a boolean (draft 4) makes 'maximum' exclusive"),
-    "multipleOf": (LOOSENED, "not enforced: the grammar allows any number in range; check after parsing"),
-    "uniqueItems": (LOOSENED, "not enforced: repeated items are not prevented"),
+    "multipleOf": (LOOSENED, "the grammar would allow any number in range"),
+    "uniqueItems": (LOOSENED, "the grammar would allow repeated items"),
     "title": _ANNOTATION,
     "description": _ANNOTATION,
     "default": _ANNOTATION,

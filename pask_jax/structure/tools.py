@@ -16,16 +16,17 @@ from pask_jax.structure.schema import CLOSED_EMPTY, TYPE_ALIASES, GrammarError
 from pask_jax.structure.schema_rewrite import enforced_schema
 
 
-def call_schema(function: dict) -> dict:
+def call_schema(function: dict, *, loosen: bool = False) -> dict:
     """The JSON Schema of one call object ``{"name": <its name>, "arguments": {...}}`` the grammar enforces for a
-    function dict (from ``parse_tools``); descriptions do not enter it."""
+    function dict (from ``parse_tools``); descriptions do not enter it. ``loosen``: drop the constraints the grammar
+    does not enforce instead of refusing them (``schema_rewrite.enforced_schema``)."""
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise GrammarError(
             "a function must be a dict with a string 'name' (OpenAI tools go through parse_tools), got "
             f"{str(function)[:120]!r}"
         )
     name = function["name"]
-    arguments = enforced_schema(function.get("parameters", CLOSED_EMPTY), f"function {name!r}")
+    arguments = enforced_schema(function.get("parameters", CLOSED_EMPTY), f"function {name!r}", loosen=loosen)
     if arguments.get("type") != "object":
         raise GrammarError(f"function {name!r}: 'parameters' must be an object schema ({{'type': 'object', ...}})")
     return {
@@ -43,7 +44,8 @@ def parse_tools(tools: Sequence[dict], *, check_schemas: bool = True) -> list[di
     convenience, the bare function dict. Absent parameters mean none (``{"type": "object", "properties": {}}``);
     ``strict`` is accepted and changes nothing (the grammar always enforces the schema, as ``SCHEMA_KEYWORDS``
     says). Raises GrammarError naming the tool (its index and name) for a malformed tool, a duplicate name, or a
-    schema keyword the grammar refuses (``check_schemas=False``: left to another grammar backend's compiler)."""
+    schema keyword the grammar refuses or does not enforce (``check_schemas=False``: left to the grammar backend,
+    ``GrammarBackend.check_tools``)."""
     if isinstance(tools, str | bytes | dict) or not isinstance(tools, Sequence):
         raise GrammarError(f"tools must be a list of tools, got {type(tools).__name__}")
     functions: list[dict] = []

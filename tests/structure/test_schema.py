@@ -189,14 +189,14 @@ def test_bfcl_function_errors_name_the_function_and_the_fix(function, message):
 # ---- the enforced schema -----------------------------------------------------------------------------------------
 
 
-def enforced(schema: dict) -> dict:
-    return enforced_schema(schema, "function 'f'")
+def enforced(schema: dict, *, loosen: bool = False) -> dict:
+    return enforced_schema(schema, "function 'f'", loosen=loosen)
 
 
 def test_enforced_schema_rewrites():
     assert enforced({"type": ["string", "null"]}) == {"anyOf": [{"type": "string"}, {"type": "null"}]}
     assert enforced({"description": "anything", "title": "T"}) == S.ANY_VALUE
-    assert enforced({"type": "integer", "multipleOf": 2, "examples": [2]}) == {"type": "integer"}  # loosened
+    assert enforced({"type": "integer", "multipleOf": 2, "examples": [2]}, loosen=True) == {"type": "integer"}
     assert enforced({"properties": {}}) == S.CLOSED_EMPTY  # the type is inferred from the keyword
     assert enforced({"type": "object", "additionalProperties": False}) == S.CLOSED_EMPTY
     assert enforced({"type": "object", "additionalProperties": {"type": "integer"}}) == {
@@ -212,9 +212,12 @@ def test_enforced_schema_rewrites():
         "anyOf": [{"type": "integer"}, {"type": "null"}]
     }
     assert enforced({"type": "string", "pattern": "^a|b$"}) == {"type": "string", "pattern": "(?:a|b)"}
-    assert enforced({"type": "string", "format": "date"}) == {"type": "string", "format": "date"}
+    assert enforced({"type": "string", "format": "date"}) == {
+        "type": "string",
+        "pattern": f"(?:{S.FORMAT_PATTERNS['date']})",
+    }
     for loose in ("time", "email", "uri", "ipv4"):  # outlines-core has no safe pattern for these
-        assert enforced({"type": "string", "format": loose}) == {"type": "string"}
+        assert enforced({"type": "string", "format": loose}, loosen=True) == {"type": "string"}
     assert enforced({"allOf": [{"$ref": "#/$defs/n"}], "description": "x", "$defs": {"n": {"type": "null"}}}) == {
         "type": "null"
     }
@@ -284,12 +287,14 @@ def test_enforced_schema_refuses_with_the_keyword_and_place(schema, place, messa
 
 def test_keyword_table_is_complete():
     statuses = {status for status, _ in S.SCHEMA_KEYWORDS.values()}
-    assert statuses == {S.ENFORCED, S.LOOSENED, S.REFUSED}
+    assert statuses == {S.ENFORCED, S.ANNOTATION, S.LOOSENED, S.REFUSED}
     for keyword in ("type", "enum", "const", "anyOf", "$ref", "$defs", "definitions", "required", "minItems"):
         assert S.SCHEMA_KEYWORDS[keyword][0] == S.ENFORCED, keyword
     for keyword in S.NUMERIC_BOUNDS:
         assert S.SCHEMA_KEYWORDS[keyword][0] == S.ENFORCED, keyword
-    for keyword in ("description", "title", "default", "examples", "multipleOf", "oneOf", "uniqueItems"):
+    for keyword in ("description", "title", "default", "examples", "$comment", "deprecated", "readOnly"):
+        assert S.SCHEMA_KEYWORDS[keyword][0] == S.ANNOTATION, keyword
+    for keyword in ("multipleOf", "oneOf", "uniqueItems"):
         assert S.SCHEMA_KEYWORDS[keyword][0] == S.LOOSENED, keyword
     for keyword in ("not", "if", "prefixItems", "patternProperties", "minProperties"):
         assert S.SCHEMA_KEYWORDS[keyword][0] == S.REFUSED, keyword
@@ -421,11 +426,12 @@ def test_recursive_ref_format_and_pattern(tok, gv):
 
 
 def test_loosened_keywords_are_not_enforced(tok, gv):
-    """A loosened keyword is documented as not enforced: the grammar accepts a value the schema refuses."""
+    """A loosened keyword, opted in to, is dropped: the grammar accepts a value the schema refuses."""
     parameters = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2, "description": "count"}}}
-    (function,) = parse_tools([tool("f", parameters)])
+    (function,) = parse_tools([tool("f", parameters)], check_schemas=False)
     ids = call_ids(tok, "f", {"n": 3})
-    assert small_grammar(tool_call_regex([function], parallel=False, vocab=gv), gv, ids).accepts(ids)
+    regex = tool_call_regex([function], parallel=False, vocab=gv, loosen=True)
+    assert small_grammar(regex, gv, ids).accepts(ids)
     assert not jsonschema.Draft202012Validator(parameters).is_valid({"n": 3})
     assert S.SCHEMA_KEYWORDS["multipleOf"][0] == S.LOOSENED
 

@@ -35,10 +35,13 @@ object's keys reordered into declaration order (the keys of ``properties``, foll
 ``anyOf`` / ``oneOf``, then the others in their order): every engine here writes properties in declaration order,
 and key order never changes validity. An instance counts as accepted when either text is.
 
-For ``pask`` each accepted invalid instance is explained by ``jsonschema`` (its failing keywords): **loosened**
-when one of them is a keyword ``SCHEMA_KEYWORDS`` documents as loosened (``multipleOf``, ``uniqueItems``, ``oneOf``,
-a format other than ``ENFORCED_FORMATS``, ...), **enforced** otherwise (a keyword the table says the grammar
-enforces let a wrong value through: a defect), **unexplained** when jsonschema finds the instance valid. Each
+``pask`` is the default (strict) translation: a schema with a constraint it does not enforce (LOOSENED in
+``SCHEMA_KEYWORDS``: ``multipleOf``, ``uniqueItems``, an overlapping ``oneOf``, a format other than
+``ENFORCED_FORMATS``) is refused, as ``KEYWORD (not enforced)``. Each invalid instance it still accepts is explained
+by ``jsonschema`` (its failing keywords): **loosened** when one of them is a LOOSENED keyword, **enforced** otherwise
+(a keyword the table says the grammar enforces let a wrong value through: a defect), **unexplained** when
+jsonschema finds the instance valid (it checks no ``uri`` or ``date-time`` format without ``rfc3987`` /
+``rfc3339-validator``). Each
 engine runs in its own worker process (a timeout or a crash there does not end the run); `--timeout` is per schema.
 """
 
@@ -90,6 +93,8 @@ END_OF_TURN = b"\x04"  # the marker byte our regexes end with (vocabulary.END_OF
 
 
 _REFUSAL_RULES = (  # (pattern over our GrammarError message, label); the first match names the refusal
+    (r"'format' '([^']+)' is not enforced", r"format:\1 (not enforced)"),
+    (r"keyword '([^']+)' is not enforced", r"\1 (not enforced)"),
     (r"unknown keyword '([^']+)'", r"\1 (unknown)"),
     (r"keyword '([^']+)' is refused", r"\1"),
     (r"keyword '([^']+)' with sibling keywords", r"\1 with siblings"),
@@ -370,16 +375,27 @@ def format_mask_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _backend_engine(backend: str) -> str:
+    """What a grammar backend runs, with package versions."""
+    ours = f"pask (outlines-core {version('outlines-core')})"
+    if backend.startswith("outlines"):
+        return ours + (", unenforced constraints dropped" if backend == "outlines-loose" else "")
+    try:
+        guidance = f"llguidance {version('llguidance')}"
+    except PackageNotFoundError:
+        guidance = "llguidance (not installed)"
+    return guidance if backend == "llguidance" else f"{ours} or {guidance}, per schema"
+
+
 def run_generation_mode(args: argparse.Namespace) -> dict:
     cases, sources = load_suites(args.suites)
     sample = generation_cases(cases, args.sample or 24)
     start = time.perf_counter()
     backends = args.grammar_backends.split(",")
     runs = {backend: run_generation(sample, args.generate, args.max_tokens, backend) for backend in backends}
-    engines = {"outlines": f"pask (outlines-core {version('outlines-core')})", "llguidance": "llguidance"}
     result = {
         "benchmark": "schemas-generation",
-        "engines": {b: engines[b] + ("" if b == "outlines" else f" {version('llguidance')}") for b in backends},
+        "engines": {b: _backend_engine(b) for b in backends},
         "model": args.generate,
         "max_tokens": args.max_tokens,
         "sources": sources,
@@ -450,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--grammar-backends",
         default="outlines",
-        help="generation mode: comma-separated grammar backends (outlines, llguidance), side by side",
+        help="generation mode: comma-separated grammar backends (outlines, outlines-loose, llguidance, auto)",
     )
     return p
 

@@ -25,7 +25,9 @@ _BFCL_TYPES = {  # BFCL (and JSON Schema) type name -> JSON Schema type
     "null": "null",
 }
 # Kept from a BFCL parameter spec. BFCL's "format" (e.g. "date") is advisory, as are "maximum" and "default";
-# ground truths do not always follow them, so they are dropped.
+# ground truths do not always follow them, so they are dropped. What is kept holds no constraint the grammar
+# leaves unenforced (SCHEMA_KEYWORDS' LOOSENED): the default translation takes every BFCL function exactly, with no
+# "outlines-loose" opt-in (tests/structure/test_grammar.py's regex digests cover every item).
 _BFCL_KEPT = ("description", "pattern", "minLength", "maxLength", "minItems", "maxItems")
 
 
