@@ -49,8 +49,8 @@ class RoleTables(NamedTuple):
     witnesses: dict[int, bytes]
 
 
-_AUTO = "auto"  # no choice made here: the environment decides
-_setting: str | os.PathLike | None = _AUTO
+AUTO = "auto"  # no choice made here: the environment decides
+_setting: str | os.PathLike | None = AUTO
 
 
 def set_grammar_cache(directory: str | os.PathLike | None) -> None:
@@ -62,7 +62,7 @@ def set_grammar_cache(directory: str | os.PathLike | None) -> None:
 
 def grammar_cache_dir() -> Path | None:
     """The directory compiled grammars persist in now (None: none)."""
-    setting = _setting if _setting != _AUTO else os.environ.get(ENV) or cache_dir() / "grammars"
+    setting = _setting if _setting != AUTO else os.environ.get(ENV) or cache_dir() / "grammars"
     if setting is None or str(setting).lower() in OFF:
         return None
     return Path(setting).expanduser()
