@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
                 "functions": [f["name"] for f in functions],
                 "entry_bytes": repeats[0]["entry_bytes"],
                 "loaded_same": all(r["loaded_same"] for r in repeats),
-                **{path: [round(r[path], 4) for r in repeats] for path in PATHS},
+                **{path: [round(r[path], 6) for r in repeats] for path in PATHS},
             }
             rows.append(row)
             medians = {path: statistics.median(row[path]) for path in PATHS}
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     set_grammar_cache(AUTO)
     totals = {path: sum(statistics.median(row[path]) for row in rows) for path in PATHS}
     summary = {
-        "total_median_s": {path: round(seconds, 4) for path, seconds in totals.items()},
+        "total_median_s": {path: round(seconds, 6) for path, seconds in totals.items()},
         "cold_over_disk": round(totals["cold_s"] / totals["disk_s"], 1),
         "cold_over_memory": round(totals["cold_s"] / totals["memory_s"], 1),
         "store_overhead": round(totals["cold_store_s"] / totals["cold_s"] - 1, 3),
