@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> dict:
     from pask_jax.structure import grammar_vocabulary
     from pask_jax.structure.grammar_cache import AUTO, set_grammar_cache
 
+    machine = machine_info()  # the load at the start
     tokenizer = Checkpoint.open(args.tokenizer).tokenizer
     start = time.perf_counter()
     grammar_vocabulary(tokenizer)
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> dict:
         "vocabulary_s": round(vocabulary_s, 3),
         "tool_lists": rows,
         "summary": summary,
-        "machine": machine_info(),
+        "machine": machine,
         "code": code_state(),
     }
     if args.out:
