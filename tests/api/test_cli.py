@@ -82,6 +82,12 @@ def test_front_door_file_names_are_the_policy_modules():
     assert arguments.STATS_FILE == STATS_FILE and arguments.POLICY_META == "policy.json"
 
 
+def test_front_door_grammar_cache_words_are_the_cache_modules():
+    from pask_jax.structure import grammar_cache
+
+    assert arguments.GRAMMAR_CACHE_OFF == grammar_cache.OFF  # kept apart: the front door imports no JAX
+
+
 def test_help_and_fetch_model_load_no_jax():
     code = "import json, sys, pask_jax.cli; print(json.dumps([m for m in ('jax', 'flax') if m in sys.modules]))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
