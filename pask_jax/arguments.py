@@ -55,6 +55,7 @@ def grammar_backend(name: str) -> str:
 
 POLICY_META = "policy.json"  # what makes a directory a policy (`pask_jax.policy.PersistencePolicy.load`)
 STATS_FILE = "stats.json"  # = pask_jax.policy.STATS_FILE (kept here: the front door imports no JAX)
+GRAMMAR_CACHE_OFF = ("none", "off")  # = pask_jax.structure.grammar_cache.OFF
 
 
 class UsageError(ValueError):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pask_jax.arguments import (
     AUTO_POLICY,
+    GRAMMAR_CACHE_OFF,
     LOW_STORAGE_NAMES,
     METHOD_NAMES,
     STATS_FILE,
@@ -44,6 +45,8 @@ def _check_run(args: argparse.Namespace) -> None:
     if Path(args.output).resolve() == Path(args.input).resolve():
         raise UsageError(f"-o/--output {args.output}: the output file must not be the input file")
     check_policy(args.policy, "--policy")  # checked for every method: a mistyped path is a mistake either way
+    if args.grammar_cache and args.grammar_cache.lower() not in GRAMMAR_CACHE_OFF:
+        output_dir(args.grammar_cache, "--grammar-cache")
     if args.method_config:
         input_file(args.method_config, "--method-config")
 
@@ -137,6 +140,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             max_prefill_rows=args.prefill_rows,
             grammar_backend=args.grammar_backend,
             **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}),
+            **({"grammar_cache_dir": args.grammar_cache} if args.grammar_cache else {}),
             **options,
         )
 
@@ -330,6 +334,12 @@ def main(argv: list[str] | None = None) -> None:
         help="outlines: our schema translation + outlines-core (a schema constraint it does not enforce is refused); "
         "outlines-loose: the same, such constraints dropped; llguidance: llguidance's JSON Schema compiler; auto: "
         "outlines where it enforces every keyword, else llguidance",
+    )
+    p.add_argument(
+        "--grammar-cache",
+        metavar="DIR",
+        help="directory compiled grammars persist in, for later runs and other processes or hosts (default: "
+        "$PASK_JAX_GRAMMAR_CACHE, else ~/.cache/pask-jax/grammars); none: in memory only",
     )
     p.set_defaults(func=cmd_run, check=_check_run)
     p = sub.add_parser("compare", help="print the answers of several `run` outputs side by side")

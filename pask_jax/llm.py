@@ -25,6 +25,9 @@ schema with a constraint it does not enforce, such as `multipleOf`, is refused, 
 (`pask_jax.structure.guidance`: llguidance's JSON Schema compiler; `pip install llguidance==1.9.1`) or "auto"
 (outlines where it enforces every keyword of a request's schemas, llguidance where it does not), chosen by name in
 `pask_jax.structure.backend.backend_for`; PASK's roles and its release of unchosen tools are the same under each.
+`grammar_cache_dir`: where compiled grammars persist, so a new process (or another host) loads a tool list's grammar
+instead of compiling it again (`pask_jax.structure.grammar_cache`; process-wide): "auto" (the default:
+`$PASK_JAX_GRAMMAR_CACHE`, else `~/.cache/pask-jax/grammars`), a directory, or None / "none" (in memory only).
 Sampling: `seed` applies per batch (requests with different seeds never share one); `stop` strings cut the
 returned text (the row still decodes to its end or its token limit).
 """
@@ -54,7 +57,7 @@ from pask_jax.runtime.rows import Generation
 from pask_jax.runtime.sampling import SamplingConfig
 from pask_jax.runtime.scheduler import Scheduler
 from pask_jax.runtime.shapes import PREFILL_CHUNK
-from pask_jax.structure import FreeTextConstraint, TokenConstraint
+from pask_jax.structure import FreeTextConstraint, TokenConstraint, grammar_cache
 from pask_jax.structure.call_parser import parse_text_calls, split_grammar_calls
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -87,6 +90,7 @@ class LLM:
         max_prefill_rows: int | None = None,
         grammar_backend: str = "outlines",
         prefill_chunk: int = PREFILL_CHUNK,
+        grammar_cache_dir: str | Path | None = grammar_cache.AUTO,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
@@ -119,6 +123,8 @@ class LLM:
         self.policy = resolve_policy(policy, self.fingerprint) if method == "pask" else None
         if self.policy is not None:
             self.policy.table(self.budget)  # refuse a budget the policy does not answer before loading weights
+        if grammar_cache_dir != grammar_cache.AUTO:
+            grammar_cache.set_grammar_cache(grammar_cache_dir)
         self.builder = RequestBuilder(
             tokenizer, chat_template, max_context=max_context, grammar_backend=grammar_backend
         )

@@ -19,8 +19,10 @@ from support import (  # noqa: F401  (re-exported: modules import these helpers 
 
 from pask_jax.models.decoder import Decoder
 
-# The CLI keeps compiled executables on disk; tests must not write them into the user's cache.
+# The CLI keeps compiled executables, and the library compiled grammars, on disk; tests must not write them into the
+# user's cache (the grammar cache's own tests name a temporary directory).
 os.environ["PASK_JAX_XLA_CACHE"] = "off"
+os.environ["PASK_JAX_GRAMMAR_CACHE"] = "off"
 QUICK_COMPILES = "jax_disable_most_optimizations"  # (env JAX_DISABLE_MOST_OPTIMIZATIONS: for subprocesses)
 
 

@@ -2,9 +2,10 @@
 
 ``compile_grammar`` builds the grammar of an assistant turn that calls tools (``tool_choice="required"``: one or
 more calls; ``"auto"``: calls or a text answer), ``compile_json_grammar`` the grammar of a ``response_format``
-turn (one JSON value). Both cache their result (LRU, ``GRAMMAR_CACHE_SIZE``) by the enforced schemas (descriptions
-do not matter), the options and the vocabulary's content hash. What the regexes are: ``regex.py``; which schema
-keywords are enforced: ``schema.SCHEMA_KEYWORDS``.
+turn (one JSON value). Both cache their result by the enforced schemas (descriptions do not matter), the options and
+the vocabulary's content hash: in memory (LRU, ``GRAMMAR_CACHE_SIZE``) in front of a directory that outlives the
+process (``grammar_cache``). What the regexes are: ``regex.py``; which schema keywords are enforced:
+``schema.SCHEMA_KEYWORDS``.
 
 **Roles from parser states.** Once per compiled grammar, a breadth-first walk of ``Index.get_transitions()`` from the
 initial state keeps one witness byte string per state (and one witness token per distinct state-to-state edge) and
@@ -34,6 +35,8 @@ from typing import NamedTuple
 from outlines_core import Index, Vocabulary
 
 from pask_jax.models.tokenizer import Tokenizer
+from pask_jax.structure import grammar_cache
+from pask_jax.structure.grammar_cache import RoleTables
 from pask_jax.structure.lexer import LEX_AUTO, LEX_CALLS, LEX_JSON, LexState, lex_token
 from pask_jax.structure.regex import json_regex, tool_call_regex
 from pask_jax.structure.roles import Role
@@ -81,8 +84,8 @@ class CompiledGrammar:
     state_roles: dict[int, int]
     witnesses: dict[int, bytes]  # one byte string reaching each state (for error messages and tests)
     final_states: frozenset[int]
-    compile_s: float  # regex + Index construction
-    roles_s: float  # the breadth-first role walk
+    compile_s: float  # Index construction, or the load from the disk cache
+    roles_s: float  # the breadth-first role walk (0 when loaded)
 
     @property
     def initial_state(self) -> int:
@@ -141,7 +144,7 @@ class CompiledGrammar:
 EXACT_ROLES_LIMIT = 4096  # states with at most this many outgoing tokens have every token lexed
 
 
-def _role_tables(index: Index, vocab: GrammarVocabulary, start_lex: LexState) -> tuple[dict, dict, dict, dict]:
+def _role_tables(index: Index, vocab: GrammarVocabulary, start_lex: LexState) -> RoleTables:
     """Breadth-first walk from the initial state: one witness per state, roles per edge (and per token if needed).
 
     A state with at most ``EXACT_ROLES_LIMIT`` outgoing tokens has every token lexed: an edge whose tokens disagree
@@ -192,7 +195,7 @@ def _role_tables(index: Index, vocab: GrammarVocabulary, start_lex: LexState) ->
             else:
                 edge_roles[(state, nxt)] = _AMBIGUOUS
                 token_roles.update({(state, token): role for token, role in roles.items()})
-    return edge_roles, token_roles, state_roles, witnesses
+    return RoleTables(edge_roles, token_roles, state_roles, witnesses)
 
 
 _GRAMMARS: collections.OrderedDict[tuple, CompiledGrammar] = collections.OrderedDict()
@@ -200,7 +203,8 @@ _GRAMMAR_LOCK = threading.Lock()
 
 
 def _compiled(regex: str, kind: str, names: tuple[str, ...], framing: str | None, parallel: bool, vocab, explain):
-    """The cached grammar of ``regex``, or a new one; ``explain(exc)`` -> the GrammarError when Index fails.
+    """The cached grammar of ``regex`` (in memory, else on disk: ``grammar_cache``), or a new one; ``explain(exc)``
+    -> the GrammarError when Index fails.
 
     The key is the regex itself (it holds the enforced schemas, the framing and the options, not descriptions)."""
     key = (hashlib.sha256(regex.encode()).hexdigest(), kind, framing, parallel, vocab.key)
@@ -209,13 +213,13 @@ def _compiled(regex: str, kind: str, names: tuple[str, ...], framing: str | None
             _GRAMMARS.move_to_end(key)
             return _GRAMMARS[key]
     start = time.perf_counter()
-    try:
-        index = Index(regex, vocab.vocabulary)
-    except Exception as exc:
-        raise explain(exc) from exc
-    compiled_at = time.perf_counter()
-    start_lex = {"tool_calls": LEX_CALLS, "auto": LEX_AUTO, "json": LEX_JSON}[kind]
-    edge_roles, token_roles, state_roles, witnesses = _role_tables(index, vocab, start_lex)
+    stored = grammar_cache.load(key)
+    if stored is not None:
+        index, tables = stored
+        compile_s, roles_s = time.perf_counter() - start, 0.0  # loaded: the load is the whole cost
+    else:
+        index, tables, compile_s, roles_s = _build(regex, kind, vocab, explain)
+        grammar_cache.store(key, index, tables)
     grammar = CompiledGrammar(
         index=index,
         regex=regex,
@@ -224,19 +228,29 @@ def _compiled(regex: str, kind: str, names: tuple[str, ...], framing: str | None
         framing=framing,
         parallel=parallel,
         vocab=vocab,
-        edge_roles=edge_roles,
-        token_roles=token_roles,
-        state_roles=state_roles,
-        witnesses=witnesses,
+        **tables._asdict(),
         final_states=frozenset(index.get_final_states()),
-        compile_s=compiled_at - start,
-        roles_s=time.perf_counter() - compiled_at,
+        compile_s=compile_s,
+        roles_s=roles_s,
     )
     with _GRAMMAR_LOCK:
         _GRAMMARS[key] = grammar
         while len(_GRAMMARS) > GRAMMAR_CACHE_SIZE:
             _GRAMMARS.popitem(last=False)
     return grammar
+
+
+def _build(regex: str, kind: str, vocab: GrammarVocabulary, explain) -> tuple[Index, RoleTables, float, float]:
+    """Compile ``regex`` over ``vocab`` and walk its roles -> (index, tables, Index seconds, walk seconds)."""
+    start = time.perf_counter()
+    try:
+        index = Index(regex, vocab.vocabulary)
+    except Exception as exc:
+        raise explain(exc) from exc
+    compiled_at = time.perf_counter()
+    start_lex = {"tool_calls": LEX_CALLS, "auto": LEX_AUTO, "json": LEX_JSON}[kind]
+    tables = _role_tables(index, vocab, start_lex)
+    return index, tables, compiled_at - start, time.perf_counter() - compiled_at
 
 
 def compile_grammar(
@@ -249,8 +263,8 @@ def compile_grammar(
     whitespace: str | None = None,
     loosen: bool = False,
 ) -> CompiledGrammar:
-    """Compile (or fetch from the LRU cache) the grammar of an assistant turn calling ``functions`` (function dicts
-    from ``parse_tools``).
+    """Compile (or fetch from the memory or disk cache) the grammar of an assistant turn calling ``functions``
+    (function dicts from ``parse_tools``).
 
     ``tool_choice="required"``: one or more calls (``parallel=False``: exactly one), then the end of turn;
     ``"auto"``: those, or a text answer (``tool_call`` framing with ``<tool_call>`` special tokens only). For a

@@ -82,6 +82,12 @@ def test_front_door_file_names_are_the_policy_modules():
     assert arguments.STATS_FILE == STATS_FILE and arguments.POLICY_META == "policy.json"
 
 
+def test_front_door_grammar_cache_words_are_the_cache_modules():
+    from pask_jax.structure import grammar_cache
+
+    assert arguments.GRAMMAR_CACHE_OFF == grammar_cache.OFF  # kept apart: the front door imports no JAX
+
+
 def test_help_and_fetch_model_load_no_jax():
     code = "import json, sys, pask_jax.cli; print(json.dumps([m for m in ('jax', 'flax') if m in sys.modules]))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -149,10 +155,31 @@ def test_run_refuses_bad_paths_and_settings_before_the_model(tmp_path: Path, req
         "argument --kv-memory-mb": [*run, "--kv-memory-mb", "0"],
         "--method-config": [*run, "--method-config", str(tmp_path / "missing.toml")],
         "argument --grammar-backend: unknown grammar backend 'xgrammar'": [*run, "--grammar-backend", "xgrammar"],
+        "--grammar-cache": [*run, "--grammar-cache", str(requests_file)],
     }
     for named, argv in cases.items():
         assert named in usage_error(argv, capsys), argv
     assert not Path("/pask-jax-no-such-root-dir").exists() and not Path(out).exists()
+
+
+@pytest.mark.parametrize("given", [None, "DIR", "none"])
+def test_run_grammar_cache_reaches_the_llm(tmp_path: Path, requests_file: Path, monkeypatch, given):
+    import pask_jax.llm
+
+    class Built(Exception):
+        pass
+
+    def build(*args, **kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr(pask_jax.llm, "LLM", build)
+    value = str(tmp_path / "grammars") if given == "DIR" else given
+    argv = ["run", "-i", str(requests_file), "-o", str(tmp_path / "o.jsonl"), "--method", "full"]
+    with pytest.raises(Built) as built:
+        cli.main([*argv, *(["--grammar-cache", value] if value else [])])
+    options = built.value.args[0]
+    assert options.get("grammar_cache_dir") == value  # not given: LLM's default (the environment decides)
+    assert not (tmp_path / "grammars").exists()  # made when a grammar is first written
 
 
 def test_run_refuses_a_missing_policy_for_every_method(tmp_path: Path, requests_file: Path, capsys):

@@ -19,6 +19,7 @@ from pask_jax.llm import LLM
 from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.policy import PolicyError
 from pask_jax.requests import RequestError
+from pask_jax.structure import grammar_cache
 
 DATA = Path(__file__).parents[1] / "data"
 UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
@@ -171,6 +172,19 @@ def test_policy_auto_finds_none_for_a_tiny_model(tiny_qwen_vocab, qwen_tok):
         LLM(tiny_qwen_vocab, tokenizer=qwen_tok, method="magic")
     with pytest.raises(ValueError, match="budget=1.5"):
         LLM(tiny_qwen_vocab, tokenizer=qwen_tok, method="snapkv", budget=1.5)
+
+
+def test_grammar_cache_dir_sets_the_process_wide_directory(tiny_qwen_vocab, qwen_tok, tmp_path: Path):
+    common = dict(tokenizer=qwen_tok, method="full")
+    try:
+        LLM(tiny_qwen_vocab, grammar_cache_dir=tmp_path / "grammars", **common)
+        assert grammar_cache.grammar_cache_dir() == tmp_path / "grammars"
+        LLM(tiny_qwen_vocab, **common)  # "auto" leaves the process's setting as it is
+        assert grammar_cache.grammar_cache_dir() == tmp_path / "grammars"
+        LLM(tiny_qwen_vocab, grammar_cache_dir="none", **common)
+        assert grammar_cache.grammar_cache_dir() is None
+    finally:
+        grammar_cache.set_grammar_cache(grammar_cache.AUTO)
 
 
 def test_run_writes_openai_batch_output_that_validates(llm: LLM, tmp_path: Path):

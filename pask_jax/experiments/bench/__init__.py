@@ -8,6 +8,10 @@
 - `compile`: lowering and compile seconds per step executable, cold and warm XLA cache; time to the first answer.
 - `entrypoints`: `pask-jax run` against `pask-jax bfcl` on the same BFCL items (tokens/s, same calls).
 - `schemas`: JSON Schema coverage on pinned external suites, our grammar next to xgrammar and llguidance.
+- `grammars`: seconds to prepare a tool list's grammar: compiled cold, loaded from the disk cache, from memory.
+
+Benchmarks time grammar compiles as a new user meets them: no compiled grammar persists from an earlier run
+(`PASK_JAX_GRAMMAR_CACHE=off`, inherited by their worker processes; `grammars` names its own directories).
 
 `pask-jax bench BENCHMARK --help` lists a benchmark's own arguments.
 """
@@ -15,6 +19,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 BENCHMARKS = {
@@ -26,6 +31,7 @@ BENCHMARKS = {
     "compile": "compile seconds per step executable, cold and warm XLA cache; time to first answer",
     "entrypoints": "`run` vs `bfcl` tokens/s on the same items",
     "schemas": "JSON Schema coverage on external suites, vs xgrammar and llguidance",
+    "grammars": "grammar preparation seconds: compiled cold, loaded from the disk cache, from memory",
 }
 USAGE = (
     "usage: pask-jax bench {"
@@ -46,4 +52,5 @@ def main(argv: list[str] | None = None):
         given = f"unknown benchmark {argv[0]!r}" if argv else "no benchmark named"
         print(f"{USAGE}\n\npask-jax bench: error: {given}", file=sys.stderr)
         raise SystemExit(2)
+    os.environ["PASK_JAX_GRAMMAR_CACHE"] = "off"  # = structure.grammar_cache.ENV (not imported: this loads no JAX)
     return importlib.import_module(f"pask_jax.experiments.bench.{argv[0]}").main(argv[1:])
