@@ -24,7 +24,7 @@ from pask_jax.arguments import (
     output_file,
     parse_number,
 )
-from pask_jax.experiments.bfcl import CATEGORIES, SPLIT_RULE, SPLIT_RULES, SPLITS
+from pask_jax.experiments.bfcl import CATEGORIES, SPLIT_RULE, SPLIT_RULES, SPLITS, split_items
 from pask_jax.experiments.bfcl.long_context import LAYOUTS
 from pask_jax.experiments.bfcl.prompt import PROMPTS
 from pask_jax.models.fetch import enable_compile_cache
@@ -62,6 +62,14 @@ def check_bfcl(args: argparse.Namespace) -> None:
         input_file(args.method_config, "--method-config")
     if args.out:
         output_file(args.out, "--out")
+    categories = CATEGORIES if args.categories == "all" else args.categories.split(",")
+    sizes = {c: len(getattr(split_items(c, args.split_rule), args.split)) for c in categories}
+    past_end = [f"{c} ({n})" for c, n in sizes.items() if n <= args.offset]
+    if past_end:  # an empty sample would write a results file of zeros
+        raise UsageError(
+            f"--offset {args.offset}: past the end of the {args.split} part of {', '.join(past_end)}; "
+            "leave those categories out"
+        )
 
 
 def check_niah(args: argparse.Namespace) -> None:

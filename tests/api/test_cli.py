@@ -270,6 +270,7 @@ def test_bfcl_refuses_bad_settings_before_the_model(tmp_path: Path, policy_dir: 
         "--out": ["--out", str(tmp_path)],
         "argument --limit": ["--limit", "0"],
         "argument --length-buckets": ["--length-buckets", "256,x"],
+        "past the end of the evaluation part of multiple (155)": ["--categories", "multiple", "--offset", "160"],
     }
     for named, flags in cases.items():
         assert named in usage_error(["bfcl", *flags], capsys), flags
