@@ -39,6 +39,7 @@ ACTIONS_DEV_ALL = (  # every dev candidate on the 34 items of the three categori
     "results/dev_actions/dev_kivi_residual.json",
     "results/dev_actions/dev_calib18_fill_window.json",
     "results/dev_actions/dev_kivi_uncapped.json",
+    "results/dev_actions/dev_calib8_low4.json",
 )
 
 
@@ -151,6 +152,7 @@ def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
         "pask:fill_window": "the default rule with `fill_window`",
         "kivi:r32": "KIVI with a full-precision window of 32 (`kivi:r64`: 64; `kivi`: 128)",
         "kivi:k2": "KIVI at 2 bits without a cap (b = 1; `kivi` at b = 1 takes 4 bits)",
+        "pask:low4": "precision actions with KIVI-4 as LOW, under an 8-item policy calibrated at KIVI-4",
         "pask:actions": "the 17-item policy under the default rule",
     }
     present = {row[0].split(" @ ")[0] for row in rows}  # the methods with a row
