@@ -19,7 +19,7 @@ QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays
 # the frozen evaluation of PASK with precision actions over items 160-184: per category a file of full KV and PASK v2
 # (`base`) and one of PASK v3 and KIVI (`v3`); the categories whose run is complete, in the order they ran
 ACTIONS_EVAL = tuple(
-    f"results/actions_eval/bfcl_items160_184_{c}_{group}.json" for c in ("simple_python", "live_simple") for group in ("base", "v3")
+    f"results/actions_eval/bfcl_items160_184_{c}_{group}.json" for c in ("simple_python", "live_simple", "live_multiple") for group in ("base", "v3")
 )
 ACTIONS_DEV = (  # PASK with precision actions on the dev split, beside the baselines on the same items
     "results/dev_actions/dev_calib6.json",
