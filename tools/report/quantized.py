@@ -15,11 +15,15 @@ QUANTIZED_EVAL = tuple(
     f"results/quantized_eval/bfcl_items110_134_{c}.json"
     for c in ("simple_python", "live_simple", "multiple", "live_multiple")
 )
+# fp8 and StreamingLLM on the same items (run_more.sh), beside run.sh's rows: the categories whose run is complete
+QUANTIZED_MORE = ("simple_python",)
 QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays, at low precision
 # the frozen evaluation of PASK with precision actions over items 160-184: per category a file of full KV and PASK v2
 # (`base`) and one of PASK v3 and KIVI (`v3`); the categories whose run is complete, in the order they ran
 ACTIONS_EVAL = tuple(
-    f"results/actions_eval/bfcl_items160_184_{c}_{group}.json" for c in ("simple_python", "live_simple", "live_multiple") for group in ("base", "v3")
+    f"results/actions_eval/bfcl_items160_184_{c}_{group}.json"
+    for c in ("simple_python", "live_simple", "live_multiple")
+    for group in ("base", "v3")
 )
 ACTIONS_DEV = (  # PASK with precision actions on the dev split, beside the baselines on the same items
     "results/dev_actions/dev_calib6.json",
@@ -91,6 +95,12 @@ def _categories(files: Sequence[str], prefix: str) -> str:
 
 def quantized_vs_full(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> str:
     sample = f"BFCL items 110-134 of {_categories(files, 'bfcl_items110_134_')}"
+    return _vs_full(_merged(root, files), sample, QUANTIZED.__contains__, "the best uniform quantizer")
+
+
+def quantized_more_vs_full(root: Path, categories: Sequence[str] = QUANTIZED_MORE) -> str:
+    files = [f"results/quantized_eval/bfcl_items110_134_{c}{more}.json" for c in categories for more in ("", "_more")]
+    sample = f"BFCL items 110-134 of {', '.join(categories)}"
     return _vs_full(_merged(root, files), sample, QUANTIZED.__contains__, "the best uniform quantizer")
 
 
@@ -185,6 +195,7 @@ def quantized_serving(root: Path) -> str:
 TABLES: dict[str, Callable[[Path], str]] = {
     "quantized_vs_full": quantized_vs_full,
     "quantized_vs_eviction": quantized_vs_eviction,
+    "quantized_more_vs_full": quantized_more_vs_full,
     "quantized_serving": quantized_serving,
     "actions_eval_vs_full": actions_eval_vs_full,
     "actions_eval_vs_strongest": actions_eval_vs_strongest,
