@@ -16,7 +16,7 @@ QUANTIZED_EVAL = tuple(
     for c in ("simple_python", "live_simple", "multiple", "live_multiple")
 )
 # fp8 and StreamingLLM on the same items (run_more.sh), beside run.sh's rows: the categories whose run is complete
-QUANTIZED_MORE = ("simple_python", "live_simple", "multiple")
+QUANTIZED_MORE = ("simple_python", "live_simple", "multiple", "live_multiple")
 QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays, at low precision
 # the frozen evaluation of PASK with precision actions over items 160-184: per category a file of full KV and PASK v2
 # (`base`) and one of PASK v3 and KIVI (`v3`); the categories whose run is complete, in the order they ran
