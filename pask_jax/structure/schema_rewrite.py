@@ -471,11 +471,9 @@ def _is_number(value: Any) -> bool:
 
 def _has_type(value: Any, kind: str) -> bool:
     """Whether a JSON value (as Python) has JSON Schema type ``kind`` (1.0 is an integer, True is not a number)."""
-    if isinstance(value, bool):
-        return kind == "boolean"
-    if isinstance(value, int | float):
-        return kind == "number" or (kind == "integer" and float(value).is_integer())
-    return {str: "string", type(None): "null", dict: "object", list: "array"}.get(type(value)) == kind
+    if kind == "integer":
+        return _json_type(value) == "number" and float(value).is_integer()
+    return _json_type(value) == kind
 
 
 def enforced_schema(schema: Any, where: str, *, loosen: bool = False) -> dict:
