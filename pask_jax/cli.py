@@ -65,16 +65,18 @@ def _check_calibrate(args: argparse.Namespace) -> None:
     check_calibration_suite(args)  # the suite's own flags, and none of them beside --data
     if args.data:
         input_file(args.data, "--data")
-    if args.stats:
-        stats = Path(args.stats)
+    for flag, given in (("--stats", args.stats), ("--high-stats", args.high_stats)):
+        if not given:
+            continue
+        stats = Path(given)
         if stats.is_dir():
             if not (stats / STATS_FILE).is_file():
                 raise UsageError(
-                    f"--stats {args.stats}: the directory holds no {STATS_FILE} (give a statistics file, or a policy "
+                    f"{flag} {given}: the directory holds no {STATS_FILE} (give a statistics file, or a policy "
                     "directory calibrated with statistics)"
                 )
         else:
-            input_file(args.stats, "--stats")
+            input_file(given, flag)
     if args.value != "distortion" and not (args.low_storage or args.stats):
         raise UsageError(
             f"--value {args.value} ranks precision actions: calibrate with --low-storage (or compile --stats measured "
@@ -175,7 +177,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from pask_jax.checkpoint import Checkpoint
     from pask_jax.llm import DEFAULT_MAX_CONTEXT
     from pask_jax.models.sharding import init_distributed
-    from pask_jax.policy import STATS_FILE
+    from pask_jax.policy_compiler import with_high_precision
     from pask_jax.requests import RequestBuilder
     from pask_jax.storage import Storage
 
@@ -193,8 +195,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         low_storage=args.low_storage,
     )
     if args.stats:
-        source = Path(args.stats)
-        stats = CalibrationStats.load(source / STATS_FILE if source.is_dir() else source)
+        stats = CalibrationStats.load(_stats_file(Path(args.stats)))
     elif split is not None:
         prepared = prepare_requests(builder, split.calibration, args.data)  # bad requests: before the weights
         stats = calibrate_requests(
@@ -204,6 +205,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         from pask_jax.experiments.commands import calibrate_on_suite
 
         stats = calibrate_on_suite(args, checkpoint, options)
+    if args.high_stats:  # HIGH: the second calibration's LOW precision instead of full precision
+        stats = with_high_precision(stats, CalibrationStats.load(_stats_file(Path(args.high_stats))))
     if stats.n_items == 0:
         reasons = sorted(set(stats.skipped.values()))[:3]
         raise ValueError(f"no item was calibrated ({len(stats.skipped)} skipped: {reasons}); no policy written")
@@ -215,7 +218,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         budgets,
         entry_bytes=None
         if stats.low_storage is None
-        else Storage.with_blocks(stats.low_storage, head_dim).action_bytes(head_dim),
+        else Storage.for_actions(stats.low_storage, stats.high_storage or "bf16", head_dim).action_bytes(head_dim),
         value=args.value,
         tolerance=args.tolerance,
         floor_share=args.floor_share,
@@ -243,6 +246,11 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
             f"{budgets[0]}\n"
             f"  pask-jax compare {dev_path} dev_full.jsonl dev_pask.jsonl"
         )
+
+
+def _stats_file(source: Path) -> Path:
+    """A statistics file, or the one a policy directory holds."""
+    return source / STATS_FILE if source.is_dir() else source
 
 
 def cmd_triaxial_table(args: argparse.Namespace) -> None:
@@ -393,6 +401,12 @@ def main(argv: list[str] | None = None) -> None:
         "it removes (default) or the gold tokens' NLL increase it removes",
     )
     p.add_argument("--stats", help="compile saved statistics (a stats.json, or a policy directory holding one) instead")
+    p.add_argument(
+        "--high-stats",
+        help="statistics of the same items measured at a second LOW precision (a stats.json or policy directory, "
+        "e.g. --low-storage kivi4): RETAIN_HIGH becomes that block precision instead of full precision (two block "
+        "pools and a full-precision window)",
+    )
     p.add_argument("--ablation", default="none", choices=ABLATIONS, help="compile an ablated policy")
     p.add_argument("--out", required=True, help="policy directory, e.g. policies/my-model")
     p.set_defaults(func=cmd_calibrate, check=_check_calibrate)

@@ -21,8 +21,9 @@ Presence compile (`compile_table`, the default: `CompileOptions.entry_bytes` is 
    distortion per entry is kept longer); buckets keeping >= half their entries RETAIN, the others RELEASE.
 
 Precision compile (`compile_action_table`: `entry_bytes` given and statistics with the LOW-precision measurements).
-The cache holds an entry at HIGH precision (a bf16 slot) or LOW precision (a 2-bit block entry, a fraction of the
-bytes), and the budget counts bytes against a full bf16 cache. Each bucket gets one of three actions: RELEASE
+The cache holds an entry at HIGH precision (a bf16 slot, or a 4-bit block entry where the statistics carry HIGH
+measurements too) or LOW precision (a 2-bit block entry, a fraction of the bytes), and the budget counts bytes
+against a full bf16 cache. Each bucket gets one of three actions: RELEASE
 (evicted first), RETAIN_LOW (kept at LOW precision) or RETAIN_HIGH (kept at HIGH precision).
 
 1. Floor actions: the cheapest action whose task-error increase stays within `tolerance` (RELEASE if removing the
@@ -79,6 +80,7 @@ LOW_STATS_ARRAYS = (  # the optional LOW-precision array fields (running sums to
     "nll_delta_low",
     "distortion_low",
 )
+HIGH_STATS_ARRAYS = tuple(name.replace("_low", "_high") for name in LOW_STATS_ARRAYS)  # HIGH lossy too: optional
 RELEASE, RETAIN_LOW, RETAIN_HIGH = 0, 1, 2  # a bucket's action (`PolicyTable.action`), in order of bytes held
 ACTION_NAMES = ("RELEASE", "RETAIN_LOW", "RETAIN_HIGH")
 
@@ -120,10 +122,15 @@ class CalibrationStats:
     nll_delta_low: np.ndarray | None = None  # f64[R, G] as nll_delta[..., level 0.0]
     distortion_low: np.ndarray | None = None  # f64[R, G] as distortion
     low_storage: str | None = None  # the LOW precision measured (a storage preset such as "kivi2")
+    task_error_high: np.ndarray | None = None  # f64[R, G] the LOW fields' twins at a lossy HIGH precision (None:
+    task_error_strict_high: np.ndarray | None = None  # HIGH is full precision, which changes nothing)
+    nll_delta_high: np.ndarray | None = None
+    distortion_high: np.ndarray | None = None
+    high_storage: str | None = None  # the HIGH precision measured ("kivi4"; `with_high_precision`)
 
     def to_json(self) -> str:
-        # Absent LOW statistics are left out: statistics without them keep the bytes of their file.
-        optional = (*LOW_STATS_ARRAYS, "low_storage")
+        # Absent LOW / HIGH statistics are left out: statistics without them keep the bytes of their file.
+        optional = (*LOW_STATS_ARRAYS, "low_storage", *HIGH_STATS_ARRAYS, "high_storage")
         fields = {k: v for k, v in vars(self).items() if v is not None or k not in optional}
         return json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in fields.items()})
 
@@ -131,7 +138,7 @@ class CalibrationStats:
     def from_json(cls, text: str) -> CalibrationStats:
         d = json.loads(text)
         arrays = {k: np.asarray(d[k], np.int64 if k == "present" else np.float64) for k in STATS_ARRAYS}
-        low = {k: np.asarray(d[k], np.float64) for k in LOW_STATS_ARRAYS if d.get(k) is not None}
+        low = {k: np.asarray(d[k], np.float64) for k in (*LOW_STATS_ARRAYS, *HIGH_STATS_ARRAYS) if d.get(k) is not None}
         return cls(**(d | arrays | low | {"levels": tuple(d["levels"])}))
 
     def save(self, path: str | Path) -> None:
@@ -140,6 +147,27 @@ class CalibrationStats:
     @classmethod
     def load(cls, path: str | Path) -> CalibrationStats:
         return cls.from_json(Path(path).read_text())
+
+
+def with_high_precision(low: CalibrationStats, high: CalibrationStats) -> CalibrationStats:
+    """`low`'s statistics with `high`'s LOW measurements as the HIGH ones: two calibrations of the same items, each
+    with another LOW precision (`--low-storage kivi2`, then `kivi4`), become one whose RETAIN_HIGH is the second's
+    block precision instead of full precision. ValueError for statistics that do not pair."""
+    for name, stats in (("LOW", low), ("HIGH", high)):
+        if stats.low_storage is None:
+            raise ValueError(f"the {name} statistics were calibrated without a LOW precision (--low-storage)")
+        if stats.high_storage is not None:
+            raise ValueError(f"the {name} statistics already carry a HIGH precision ({stats.high_storage})")
+    if low.low_storage == high.low_storage:
+        raise ValueError(f"both statistics were measured at {low.low_storage}: give a second precision")
+    for field in ("model", "num_layers", "groups", "taxonomy", "levels", "target", "item_ids"):
+        if getattr(low, field) != getattr(high, field):
+            raise ValueError(
+                f"the statistics differ in {field} ({getattr(low, field)!r} and {getattr(high, field)!r}): calibrate "
+                "the same items at both precisions"
+            )
+    measured = {name.replace("_low", "_high"): getattr(high, name) for name in LOW_STATS_ARRAYS}
+    return dataclasses.replace(low, **measured, high_storage=high.low_storage)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
@@ -422,9 +450,11 @@ def compile_action_table(
     slack = 1e-9 * reference.sum()  # byte sums that agree up to float rounding fit
     present = weight > 0
 
-    # 1. Floor actions: the cheapest action within tolerance (HIGH precision is the baseline: no error).
+    # 1. Floor actions: the cheapest action within tolerance (HIGH is the best there is: its floor where none is).
     removed = np.asarray(stats.task_error, np.float64)[..., list(stats.levels).index(0.0)]
-    error = np.stack([removed, np.asarray(stats.task_error_low, np.float64), np.zeros_like(removed)], -1)
+    lossy_high = getattr(stats, "high_storage", None) is not None  # else full precision: no error, no distortion
+    error_high = np.asarray(stats.task_error_high, np.float64) if lossy_high else np.zeros_like(removed)
+    error = np.stack([removed, np.asarray(stats.task_error_low, np.float64), error_high], -1)
     start = np.full((roles, groups), RELEASE)
     if use_floors:
         low_ok = np.where(error[..., RETAIN_LOW] <= tolerance, RETAIN_LOW, RETAIN_HIGH)
@@ -441,11 +471,15 @@ def compile_action_table(
         if value == "nll":
             damage = np.clip(np.asarray(stats.nll_delta, np.float64)[..., list(stats.levels).index(0.0)], 0.0, None)
             damage_low = np.asarray(stats.nll_delta_low, np.float64)
+            damage_high = np.asarray(stats.nll_delta_high, np.float64) if lossy_high else None
         else:
             damage = np.asarray(stats.distortion, np.float64) * layers
             damage_low = np.asarray(stats.distortion_low, np.float64) * layers
+            damage_high = np.asarray(stats.distortion_high, np.float64) * layers if lossy_high else None
         low_value = np.clip(damage - damage_low, 0.0, damage)
-        values = np.stack([np.zeros_like(damage), low_value, damage], -1)  # f64[R, G, 3]
+        # a lossy HIGH removes what its own damage leaves, never less than LOW does (measurement noise)
+        high_value = damage if damage_high is None else np.clip(damage - damage_high, low_value, damage)
+        values = np.stack([np.zeros_like(damage), low_value, high_value], -1)  # f64[R, G, 3]
     else:
         values = cost  # every byte worth the same
     steps = _hull_steps(start, cost, values)
@@ -483,7 +517,8 @@ def compile_tables(
     off); layer groups are weighted by their layer counts. With `options.entry_bytes`, precision actions
     (`compile_action_table`: PolicyError if the statistics lack the LOW measurements), else presence tables."""
     if options.entry_bytes is not None:
-        missing = [name for name in LOW_STATS_ARRAYS if getattr(stats, name, None) is None]
+        measured = (*LOW_STATS_ARRAYS, *(HIGH_STATS_ARRAYS if getattr(stats, "high_storage", None) else ()))
+        missing = [name for name in measured if getattr(stats, name, None) is None]
         if missing:
             raise PolicyError(
                 f"entry_bytes={options.entry_bytes} compiles precision actions, which need every bucket measured at "

@@ -101,23 +101,42 @@ class Storage:
         return cls(slots=PRESETS[name][0])
 
     @classmethod
-    def with_blocks(cls, name: str, head_dim: int, group: int = 0, window: int = 0) -> Storage:
-        """Full-precision slots and a block pool in the block format `name` (kivi2, kivi4), `group` tokens a block
-        (0: the format's) and channels a value group (at most head_dim)."""
-        if name not in BLOCK_FORMATS:
-            raise ValueError(f"unknown block format {name!r}; one of {list(BLOCK_FORMATS)}")
-        key, value = PRESETS[name]
-        group = group or key.group
-        value = dataclasses.replace(value, group=min(group, head_dim))
-        return cls(blocks=(dataclasses.replace(key, group=group), value), window=window)
+    def with_blocks(
+        cls, name: str, head_dim: int, group: int = 0, window: int = 0, second: str | None = None
+    ) -> Storage:
+        """Full-precision slots and a block pool in the block format `name` (kivi2, kivi4) -- and, given `second`, a
+        second block pool in that format -- `group` tokens a block (0: the format's) and channels a value group (at
+        most head_dim)."""
+
+        def formats(name: str) -> tuple[KVFormat, KVFormat]:
+            if name not in BLOCK_FORMATS:
+                raise ValueError(f"unknown block format {name!r}; one of {list(BLOCK_FORMATS)}")
+            key, value = PRESETS[name]
+            size = group or key.group
+            return dataclasses.replace(key, group=size), dataclasses.replace(value, group=min(size, head_dim))
+
+        return cls(blocks=formats(name), second_blocks=None if second is None else formats(second), window=window)
+
+    @classmethod
+    def for_actions(cls, low: str, high: str, head_dim: int, group: int = 0, window: int = 0) -> Storage:
+        """A precision-action cache (PASK): full-precision slots (HIGH, `high` = bf16) over a block pool at `low`;
+        or, `high` a block format, a block pool at `high`, a second at `low` and the full-precision window (at
+        least a block)."""
+        if high in ("bf16", "full"):
+            return cls.with_blocks(low, head_dim, group, window)
+        block = group or PRESETS[high][0].group
+        return cls.with_blocks(high, head_dim, group, max(window, block), second=low)
 
     def slot_entry_bytes(self, head_dim: int) -> float:
         """Bytes one slot-pool entry (one token of one KV head) holds, metadata included."""
         return 2 * bytes_per_token(self.slots, head_dim) + SLOT_METADATA_BYTES
 
     def action_bytes(self, head_dim: int) -> tuple[float, float, float]:
-        """(the reference, a block entry, a slot entry): the bytes per entry a precision-action policy is compiled
-        for, its LOW precision in the block pool and its HIGH in the slot pool (`CompileOptions.entry_bytes`)."""
+        """(the reference, LOW, HIGH): the bytes per entry a precision-action policy is compiled for
+        (`CompileOptions.entry_bytes`). With one block pool LOW is a block entry and HIGH a full-precision slot
+        entry; with two, LOW is an entry of the second pool and HIGH one of the first."""
+        if self.second_blocks is not None:
+            return full_entry_bytes(head_dim), self.block_entry_bytes(head_dim, 1), self.block_entry_bytes(head_dim)
         return full_entry_bytes(head_dim), self.block_entry_bytes(head_dim), self.slot_entry_bytes(head_dim)
 
     def block_entry_bytes(self, head_dim: int, pool: int = 0) -> float:

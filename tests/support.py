@@ -111,6 +111,10 @@ CASES: dict[str, Callable[[float], KVMethod]] = {
         SYNTHETIC_POLICY, budget, rank="dapq", query="both"
     ),
     "pask_actions": lambda budget: PaskKV.from_policy(ACTION_POLICY, budget, low_group=LOW_GROUP, high_window=8),
+    # HIGH a 4-bit block pool beside the 2-bit one (the pool chosen per bucket and layer group), a window of 8
+    "pask_actions_two_pools": lambda budget: PaskKV.from_policy(
+        ACTION_POLICY, budget, low_group=LOW_GROUP, high_window=8, high_storage="kivi4"
+    ),
     "pask_policy_v1": lambda budget: PaskKV.from_policy(
         SYNTHETIC_POLICY, budget, rank="recency", system_as_request=False
     ),

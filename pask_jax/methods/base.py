@@ -137,9 +137,9 @@ class KVMethod:
         None: as many whole blocks as the bytes allow, the remainder staying in slots (KIVI)."""
         return None
 
-    def block_pool(self, role: jax.Array) -> jax.Array:
+    def block_pool(self, layer: int, role: jax.Array) -> jax.Array:
         """i32 (the shape of `role`): the block pool (its index in `Storage.block_pools`) an entry of each role goes
-        down into. Default: the first."""
+        down into in `layer`. Default: the first."""
         return jnp.zeros(role.shape, jnp.int32)
 
     def release_line(self, layer: int) -> float:

@@ -56,6 +56,13 @@ at each step the running byte cap takes the lowest slot entries down a block (al
 releases the lowest entry or block, tier 0 first (with `release_first`, a tier-0 entry leaves before anything goes
 down). So the call being written and the structure the call needs stay at full precision, the rest at 2 bits, and
 what the policy releases leaves first when something must.
+
+With `high_storage` a block format (a policy compiled from statistics measured at both precisions,
+`pask-jax calibrate --high-stats`), HIGH is a second block pool instead of full-precision slots -- RETAIN_HIGH
+buckets at 4 bits, RETAIN_LOW and RELEASE ones at 2 bits (TriAxialKV's two pools, chosen per bucket and layer group)
+-- and the slots are KIVI's full-precision window of the newest `high_window` to `high_window + low_group` entries,
+going down a block at a time, oldest first, each entry into the pool of its bucket. Prefill keeps the best-ranked
+prompt entries whose blocks fit the bytes (RELEASE tiers first out), the running cap as above.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ from pask_jax.methods.base import PROTECTED, KVMethod, PrefillContext
 from pask_jax.methods.dapq import DapQ
 from pask_jax.methods.snapkv import SnapKV
 from pask_jax.policy import PersistencePolicy
-from pask_jax.policy_compiler import RELEASE
+from pask_jax.policy_compiler import RELEASE, RETAIN_HIGH
 from pask_jax.storage import BLOCK_FORMATS, Storage
 from pask_jax.structure.roles import NO_TOOL, Role, num_roles
 
@@ -112,6 +119,7 @@ class PaskKV(KVMethod):
     action: tuple[tuple[int, ...], ...] = ()  # [R][G] RELEASE / RETAIN_LOW / RETAIN_HIGH; empty: presence only
     high_window: int = 128  # with actions: full-precision slot entries at most (and one block going down)
     low_storage: str = "kivi2"  # with actions: the block pool's format (LOW)
+    high_storage: str = "bf16"  # with actions: HIGH's format: full-precision slots, or a second block pool (kivi4)
     low_group: int = 32  # with actions: tokens per LOW block (its keys' channel groups; channels per value group)
     release_first: bool = False  # with actions: RELEASE entries leave before anything goes down (default: go down)
     fill_window: bool = False  # with actions: prefill leaves the highest-ranked entries of any tier in the window
@@ -135,11 +143,29 @@ class PaskKV(KVMethod):
             raise ValueError(f"PASK low_storage must be one of {list(BLOCK_FORMATS)}, not {self.low_storage!r}")
         if self.high_window < 1 or self.low_group < 1:
             raise ValueError(f"PASK needs high_window, low_group >= 1, got {self.high_window}, {self.low_group}")
+        if self.high_storage not in ("bf16", *BLOCK_FORMATS) or self.high_storage == self.low_storage:
+            raise ValueError(
+                f"PASK high_storage must be bf16 or a block format other than low_storage ({self.low_storage}), not "
+                f"{self.high_storage!r}"
+            )
+        if self.two_pools and self.high_window < self.low_group:
+            raise ValueError(f"PASK with two block pools needs high_window >= low_group, got {self.high_window}")
+
+    @property
+    def two_pools(self) -> bool:
+        """Whether HIGH is a block pool (`high_storage`), not full-precision slots."""
+        return self.high_storage != "bf16"
 
     @classmethod
     def from_policy(cls, policy: PersistencePolicy, budget: float, **overrides) -> PaskKV:
+        """The method under `policy`'s table for `budget`; its precisions (LOW, HIGH) those the policy's statistics
+        were measured at, unless `overrides` name them."""
         t = policy.table(budget)
         groups = layer_groups(policy.num_layers, policy.groups)
+        measured = {}  # the precisions the actions were compiled for
+        if t.action is not None and policy.stats is not None:
+            high = getattr(policy.stats, "high_storage", None) or "bf16"  # statistics older than HIGH measurements
+            measured = {"low_storage": policy.stats.low_storage, "high_storage": high}
         return cls(
             floor=tuple(map(tuple, t.floor.tolist())),
             priority=tuple(map(tuple, t.priority.tolist())),
@@ -149,14 +175,15 @@ class PaskKV(KVMethod):
             budget=t.budget,
             release_window=policy.release_window,
             action=() if t.action is None else tuple(map(tuple, t.action.tolist())),
-            **overrides,
+            **measured | overrides,
         )
 
     def storage(self, budget: float, head_dim: int) -> Storage | None:
-        """With actions: full-precision slots (HIGH) and a block pool at `low_storage` (LOW)."""
+        """With actions: full-precision slots (HIGH) and a block pool at `low_storage` (LOW); with `two_pools`, a
+        block pool at `high_storage` (HIGH), one at `low_storage` (LOW) and the full-precision window."""
         if not self.action:
             return None
-        return Storage.with_blocks(self.low_storage, head_dim, self.low_group, self.high_window)
+        return Storage.for_actions(self.low_storage, self.high_storage, head_dim, self.low_group, self.high_window)
 
     def _actions(self, layer: int) -> jax.Array:  # i32[R]
         return jnp.asarray(self.action, jnp.int32)[:, self.layer_group[layer]]
@@ -263,16 +290,21 @@ class PaskKV(KVMethod):
         return jnp.broadcast_to(score[:, None], (score.shape[0], kv_heads))
 
     def prefill_high(self, layer: int, scores: jax.Array, valid: jax.Array) -> jax.Array | None:
-        if not self.action:
+        if not self.action or self.two_pools:  # two pools: the window holds the newest entries, as KIVI's
             return None
         # fill_window: the bytes the HIGH entries leave pay for LOW entries at full precision until decode needs them
         high = valid[:, None] if self.fill_window else valid[:, None] & (scores >= HIGH_TIER * TIER * POSITION_RANGE)
         return jnp.sum(high, axis=-1, dtype=jnp.int32)
 
     def down_priority(self, layer, scores, pos, role, position, prompt_len) -> jax.Array:
-        if not self.action:
+        if not self.action or self.two_pools:  # two pools: the oldest first (KIVI's window)
             return super().down_priority(layer, scores, pos, role, position, prompt_len)
         return self.eviction_priority(layer, scores, pos, role, position, prompt_len)  # tiers: LOW before HIGH
+
+    def block_pool(self, layer: int, role: jax.Array) -> jax.Array:
+        if not self.two_pools:
+            return super().block_pool(layer, role)
+        return jnp.where(self._actions(layer)[role] == RETAIN_HIGH, 0, 1).astype(jnp.int32)  # HIGH: the first pool
 
     def release_line(self, layer: int) -> float:
         if self.action and self.release_first:

@@ -67,7 +67,7 @@ class TriAxialKV(KVMethod):
         blocks, *second = (kivi_formats(bits, self.group, head_dim) for bits in self.pool_bits)
         return Storage(blocks=blocks, second_blocks=second[0] if second else None, window=self.residual)
 
-    def block_pool(self, role: jax.Array) -> jax.Array:
+    def block_pool(self, layer: int, role: jax.Array) -> jax.Array:  # the same in every layer
         pool_of_role = jnp.asarray([self.pool_bits.index(bits) for bits in self.bits], jnp.int32)  # i32[R]
         return pool_of_role[role]
 

@@ -170,7 +170,7 @@ class StepPlan:
             if self.storage.second_blocks is not None:  # what the bytes hold depends on each kept entry's pool
                 if high is not None:
                     raise ValueError(f"{self.method.name}: entries kept at full precision need a single block pool")
-                pools = self.method.block_pool(ctx.roles)  # i32[B, T]
+                pools = self.method.block_pool(layer, ctx.roles)  # i32[B, T]
                 kept_pools = jnp.take_along_axis(pools[:, None], keep, axis=2)  # i32[B, K, n_keep], best first
                 quota = jnp.maximum(self.bytes.tagged_prefill_count(allowance, available, kept_pools), 1)
             else:
@@ -254,7 +254,7 @@ class StepPlan:
         window_full = cache.length[li] >= self.storage.window + self.storage.block
         role = cache.role[li].astype(jnp.int32)
         down = method.down_priority(layer, cache.score[li], cache.pos[li], role, positions, step.prompt_lengths)
-        cache = cache.take_down(li, window_full | over, down, method.block_pool(role))
+        cache = cache.take_down(li, window_full | over, down, method.block_pool(layer, role))
         over = budget.cache_held(cache, li) > limit
         priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)  # the entries taken down are no candidates
         # the lowest candidate leaves: a slot entry, or a whole block of a pool (a tie keeps the blocks)

@@ -549,3 +549,46 @@ def test_pask_actions_fill_window_keeps_low_entries_at_full_precision_where_byte
     assert expected[True] > expected[False]
     for fill, lengths in in_slots.items():
         assert all((length == expected[fill]).all() for length in lengths), (fill, lengths)
+
+
+def test_pask_two_pools_put_each_bucket_in_the_pool_of_its_action_per_layer_group():
+    """HIGH a 4-bit block pool: at budget 1 every entry stays, USER_TEXT's in the 4-bit pool where its action is
+    RETAIN_HIGH (layer group 0) and in the 2-bit pool where it is RETAIN_LOW (group 1), everything else 2-bit, the
+    window of the newest entries at full precision; at b = 0.4 RELEASE (DESCRIPTION) entries are the ones left out."""
+    from support import BUCKETS, LOW_GROUP, PROMPTS, ROLES, matrix_model
+
+    from pask_jax.policy_compiler import RELEASE, RETAIN_HIGH, RETAIN_LOW
+
+    action = [[RETAIN_LOW] * 2 for _ in range(num_roles())]
+    action[Role.USER_TEXT], action[Role.DESCRIPTION] = [RETAIN_HIGH, RETAIN_LOW], [RELEASE] * 2
+    method = PaskKV(
+        action=tuple(map(tuple, action)),
+        layer_group=(0, 0, 1, 1),
+        high_window=8,
+        low_group=LOW_GROUP,
+        high_storage="kivi4",
+    )
+    with pytest.raises(ValueError, match="high_window >= low_group"):
+        dataclasses.replace(method, high_window=4)
+    with pytest.raises(ValueError, match="other than low_storage"):
+        dataclasses.replace(method, high_storage="kivi2")
+    prompt, roles = np.asarray(PROMPTS[0], np.int32), np.asarray(ROLES[0], np.int32)
+    for budget in (1.0, 0.4):
+        engine = Engine(matrix_model(), method=method, budget=budget, num_groups=2, length_buckets=BUCKETS)
+        assert engine.storage.name == "kivi4+kivi2" and engine.storage.window == 8
+        _, caches, _ = engine.prefill(prompt[None], np.int32([len(prompt)]), roles[None], engine.capacities(64, 8))
+        for g, cache in enumerate(caches):
+            pos, table, length = np.asarray(cache.pos), np.asarray(cache.table), np.asarray(cache.length)
+            for idx in np.ndindex(length.shape):  # (layer, row, KV head)
+                slots = pos[idx][table[idx][: length[idx]]]
+                pools = [np.asarray(p.pos[idx])[np.asarray(p.pos[idx]) >= 0] for p in cache.block_pools]
+                high = {int(Role.USER_TEXT)} if g == 0 else set()
+                assert set(roles[pools[0]]) <= high and not set(roles[pools[1]]) & high, (g, idx)
+                kept = np.concatenate([slots, *pools])
+                assert len(set(kept)) == len(kept)
+                if budget == 1.0:
+                    assert sorted(kept) == list(range(len(prompt))) and len(slots) < 8 + LOW_GROUP
+                    assert g == 1 or len(pools[0]) > 0  # group 0's USER_TEXT blocks filled
+                else:
+                    dropped = set(range(len(prompt))) - set(kept)
+                    assert dropped and set(roles[list(dropped)]) == {Role.DESCRIPTION}

@@ -113,7 +113,8 @@ def test_prefill_keeps_unique_valid_entries(matrix: Matrix, name: str):
     block = engine.storage.block
     for (start, _), cache in zip(engine.plan.groups, caches, strict=True):
         pos, length, table = np.asarray(cache.pos), np.asarray(cache.length), np.asarray(cache.table)
-        pool_of = np.asarray(engine.method.block_pool(cache.role.astype(np.int32)))  # the pool each slot goes into
+        role = np.asarray(cache.role, np.int32)
+        pool_of = np.stack([engine.method.block_pool(start + li, r) for li, r in enumerate(role)])  # each slot's pool
         block_pos = [np.asarray(pool.pos) for pool in cache.block_pools]  # dead and free entries: -1
         room = cache.capacity + sum(pool.blocks * pool.block for pool in cache.block_pools)
         for idx in np.ndindex(length.shape):

@@ -29,7 +29,7 @@ def test_tags_choose_the_pools_and_bad_tables_fail():
     assert method.int4 == ("USER_TEXT",) and hash(method) == hash(TriAxialKV(int4=("USER_TEXT",)))
     assert method.storage(0.3, 16).name == "kivi4+kivi2"
     roles = jnp.asarray([Role.USER_TEXT, Role.DESCRIPTION, Role.FUNCTION_NAME])
-    np.testing.assert_array_equal(method.block_pool(roles), [0, 1, 1])
+    np.testing.assert_array_equal(method.block_pool(0, roles), [0, 1, 1])
     with pytest.raises(ValueError, match="unknown tag"):
         TriAxialKV(int4=("TOOL_NAMES",))
     with pytest.raises(ValueError, match="residual window of at least a group"):

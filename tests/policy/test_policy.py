@@ -36,6 +36,7 @@ from pask_jax.policy_compiler import (
     compile_table,
     compile_tables,
     pooled_stats,
+    with_high_precision,
 )
 from pask_jax.runtime.engine import Engine
 from pask_jax.structure.roles import Role, num_roles
@@ -532,6 +533,49 @@ def test_precision_compile_needs_low_statistics_and_valid_sizes():
         dataclasses.replace(table, action=np.full((R, G), 3, np.int8)).validate(R, G)
     with pytest.raises(PolicyError, match="action has shape"):
         dataclasses.replace(table, action=table.action[:-1]).validate(R, G)
+
+
+def high_calibration() -> CalibrationStats:
+    """`low_calibration`'s items measured at a second, finer LOW precision (4 bits): a hundredth of each bucket's
+    distortion comes back, and tool names' calls survive it."""
+    s = low_calibration()
+    s.distortion_low = 0.01 * s.distortion
+    s.task_error_low = np.zeros((R, G))
+    s.low_storage = "kivi4"
+    return s
+
+
+BYTES_4_2 = (256.0, 53.0, 87.0)  # a full bf16 entry, a KIVI 2-bit and a KIVI 4-bit block entry (head_dim 64)
+
+
+def test_a_lossy_high_pairs_two_calibrations_and_sets_floors_and_values():
+    both = with_high_precision(low_calibration(), high_calibration())
+    assert (both.low_storage, both.high_storage) == ("kivi2", "kivi4")
+    np.testing.assert_array_equal(both.distortion_high, high_calibration().distortion_low)
+    again = CalibrationStats.from_json(both.to_json())  # HIGH fields round-trip
+    np.testing.assert_array_equal(again.distortion_high, both.distortion_high)
+    assert again.high_storage == "kivi4"
+    entries = both.entries
+
+    def high_entries(stats, budget: float) -> float:
+        table = _precision(stats, budget, entry_bytes=BYTES_4_2)
+        assert (table.action[Role.TOOL_NAME] == RETAIN_HIGH).all()  # LOW breaks its call, 4 bits do not
+        cost = np.array([0.0, *BYTES_4_2[1:]])[table.action]
+        assert (entries * cost).sum() <= budget * BYTES_4_2[0] * entries.sum() + 1e-6
+        return float(entries[table.action == RETAIN_HIGH].sum())
+
+    # HIGH's own damage counts: with 4 bits as lossy as 2 bits, the bytes go to keeping entries at LOW first (where
+    # bytes are left over, as at 0.33, upgrades worth nothing take them as with a full-precision HIGH)
+    flat = dataclasses.replace(both, distortion_high=low_calibration().distortion_low)
+    assert high_entries(both, 0.2) > high_entries(flat, 0.2)
+    with pytest.raises(PolicyError, match="distortion_high"):
+        _precision(dataclasses.replace(both, distortion_high=None), 0.2, entry_bytes=BYTES_4_2)
+    with pytest.raises(ValueError, match="both statistics were measured at kivi2"):
+        with_high_precision(low_calibration(), low_calibration())
+    with pytest.raises(ValueError, match="differ in item_ids"):
+        with_high_precision(low_calibration(), dataclasses.replace(high_calibration(), item_ids=["simple_python_4"]))
+    with pytest.raises(ValueError, match="already carry a HIGH precision"):
+        with_high_precision(both, high_calibration())
 
 
 def test_statistics_without_low_fields_load_and_round_trip():
