@@ -545,7 +545,7 @@ def high_calibration() -> CalibrationStats:
     return s
 
 
-BYTES_4_2 = (256.0, 53.0, 87.0)  # a full bf16 entry, a KIVI 2-bit and a KIVI 4-bit block entry (head_dim 64)
+BYTES_4_2 = (256.0, 53.125, 85.125)  # a full bf16 entry, a KIVI 2-bit and a KIVI 4-bit block entry (head_dim 64)
 
 
 def test_a_lossy_high_pairs_two_calibrations_and_sets_floors_and_values():
