@@ -384,8 +384,8 @@ def test_end_to_end_real_bfcl_items():
     assert stats.item_ids == [it["id"] for it, _ in items]
     assert (stats.present[Role.REQUEST_TEXT] == 2).all() and (stats.present[Role.END_OF_TURN] == 0).all()
     assert (stats.distortion[Role.REQUEST_TEXT] > 0).all()
-    own = calibrate(model, tokenizer, items, **options)  # the default target: the model's own full-KV call
-    assert own.target == "own" and sorted(own.item_ids + list(own.skipped)) == sorted(stats.item_ids)
+    own = calibrate(model, tokenizer, items[:1], **options)  # the default target: the model's own full-KV call
+    assert own.target == "own" and own.item_ids + list(own.skipped) == stats.item_ids[:1]
     assert all("unfinished" in why for why in own.skipped.values())  # a random model may not end its call
     with pytest.raises(ValueError, match="target="):
         calibrate(model, tokenizer, items, target="gold", **options)
