@@ -161,7 +161,8 @@ def with_high_precision(low: CalibrationStats, high: CalibrationStats) -> Calibr
     if low.low_storage == high.low_storage:
         raise ValueError(f"both statistics were measured at {low.low_storage}: give a second precision")
     for field in ("model", "num_layers", "groups", "taxonomy", "levels", "target", "item_ids"):
-        if getattr(low, field) != getattr(high, field):
+        same = sorted if field == "item_ids" else lambda x: x  # means over items: their order does not matter
+        if same(getattr(low, field)) != same(getattr(high, field)):
             raise ValueError(
                 f"the statistics differ in {field} ({getattr(low, field)!r} and {getattr(high, field)!r}): calibrate "
                 "the same items at both precisions"
