@@ -1,11 +1,17 @@
-"""Pin a small subset of two external JSON Schema suites into ``tests/data/schema_suites/`` (read offline).
+"""Pin subsets of two external JSON Schema suites (read offline): a small one for the tests, a large one for the
+coverage benchmark.
 
     python scripts/build_schema_suites.py --test-suite GIT_DIR --maskbench GIT_DIR [--out tests/data/schema_suites]
+    python scripts/build_schema_suites.py --scale large --test-suite GIT_DIR --maskbench GIT_DIR \
+        --out results/schema_suites_large
 
 - ``--test-suite``: a clone of github.com/json-schema-org/JSON-Schema-Test-Suite; every file of
   ``tests/draft2020-12`` (not ``optional/``), at most ``TEST_SUITE_GROUPS`` schema groups of each.
 - ``--maskbench``: a clone of github.com/guidance-ai/jsonschemabench; ``maskbench/data``, ``MASKBENCH_SAMPLE``
   schemas of each named subset (the tool-definition subsets first; no Kubernetes / CloudFormation blobs).
+- ``--scale large``: gzip-compressed files of every schema group of the test suite's draft2020-12 files, and
+  ``MASKBENCH_LARGE_SAMPLE`` schemas of each of MaskBench's subsets but Kubernetes (its schemas are whole cluster
+  APIs, megabytes each).
 
 Both are read with ``git show`` at ``--test-suite-commit`` / ``--maskbench-commit`` (default HEAD; the resolved
 commit is recorded in the output). The sample is fixed by a hash: the items of a file (or subset) are sorted by
@@ -18,6 +24,7 @@ each source is copied beside its file.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import subprocess
@@ -34,6 +41,25 @@ MASKBENCH_SAMPLE = {  # subset -> schemas kept
     "Github_easy": 20,
     "Handwritten": 10,
 }
+MASKBENCH_LARGE_SAMPLE = {  # the large selection: 100 of each subset (all of a smaller one), 1,345 schemas
+    subset: 100
+    for subset in (
+        "Glaiveai2K",
+        "BFCL",
+        "MCPspec",
+        "Github_trivial",
+        "Github_easy",
+        "Github_medium",
+        "Github_hard",
+        "Github_ultra",
+        "JsonSchemaStore",
+        "Snowplow",
+        "Synthesized",
+        "Handwritten",
+        "WashingtonPost",
+        "JME",
+    )
+}
 
 
 def git(repo: Path, *args: str) -> str:
@@ -49,7 +75,8 @@ def test_cases(tests: list[dict]) -> list[dict]:
     return [{"description": t.get("description", ""), "valid": t["valid"], "data": t["data"]} for t in tests]
 
 
-def test_suite(repo: Path, commit: str) -> dict:
+def test_suite(repo: Path, commit: str, per_file: int | None = TEST_SUITE_GROUPS) -> dict:
+    """The draft2020-12 files' first `per_file` schema groups each in the sample's order (None: every group)."""
     files = [
         n for n in git(repo, "ls-tree", "--name-only", f"{commit}:{TEST_SUITE_PATH}").split() if n.endswith(".json")
     ]
@@ -57,7 +84,7 @@ def test_suite(repo: Path, commit: str) -> dict:
     for name in sorted(files):
         groups = json.loads(git(repo, "show", f"{commit}:{TEST_SUITE_PATH}/{name}"))
         keys = {f"{name}#{i}": group for i, group in enumerate(groups)}
-        for key in sorted(ranked(list(keys))[:TEST_SUITE_GROUPS], key=lambda k: int(k.rpartition("#")[2])):
+        for key in sorted(ranked(list(keys))[:per_file], key=lambda k: int(k.rpartition("#")[2])):
             group = keys[key]
             cases.append({
                 "id": f"{key} {group['description']}",
@@ -68,16 +95,18 @@ def test_suite(repo: Path, commit: str) -> dict:
         "source": "github:json-schema-org/JSON-Schema-Test-Suite",
         "commit": commit,
         "path": TEST_SUITE_PATH,
-        "selection": f"every file, the first {TEST_SUITE_GROUPS} schema groups by sha256({SEED!r} + 'file#index')",
+        "selection": "every file, every schema group"
+        if per_file is None
+        else f"every file, the first {per_file} schema groups by sha256({SEED!r} + 'file#index')",
         "license": "LICENSE.JSON-Schema-Test-Suite",
         "suites": {"draft2020-12": cases},
     }
 
 
-def maskbench(repo: Path, commit: str) -> dict:
+def maskbench(repo: Path, commit: str, sample: dict[str, int] = MASKBENCH_SAMPLE) -> dict:
     names = git(repo, "ls-tree", "--name-only", f"{commit}:{MASKBENCH_PATH}").split()
     suites = {}
-    for subset, count in MASKBENCH_SAMPLE.items():
+    for subset, count in sample.items():
         members = [n for n in names if n.split("---")[0] == subset or n.startswith(f"{subset}_")]
         cases = []
         for name in sorted(ranked(members)[:count]):
@@ -90,7 +119,7 @@ def maskbench(repo: Path, commit: str) -> dict:
         "source": "github:guidance-ai/jsonschemabench",
         "commit": commit,
         "path": MASKBENCH_PATH,
-        "selection": f"per subset, the first N files by sha256({SEED!r} + name): {MASKBENCH_SAMPLE}",
+        "selection": f"per subset, the first N files by sha256({SEED!r} + name): {sample}",
         "license": "LICENSE.jsonschemabench",
         "suites": suites,
     }
@@ -113,9 +142,10 @@ def maskbench_license(repo: Path, commit: str) -> str:
 
 
 def write(path: Path, data: dict) -> int:
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n"
-    path.write_text(text)
-    return len(text.encode())
+    """The suite file (gzip-compressed when its name ends in .gz); its size in bytes."""
+    text = (json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    path.write_bytes(gzip.compress(text, mtime=0) if path.suffix == ".gz" else text)
+    return path.stat().st_size
 
 
 def main() -> None:
@@ -125,15 +155,24 @@ def main() -> None:
     p.add_argument("--maskbench", type=Path, required=True, help="git dir or clone of guidance-ai/jsonschemabench")
     p.add_argument("--maskbench-commit", default="HEAD")
     p.add_argument("--out", type=Path, default=Path("tests/data/schema_suites"))
+    p.add_argument("--scale", choices=("small", "large"), default="small", help="the tests' sample or the large one")
     args = p.parse_args()
+    large = args.scale == "large"
     args.out.mkdir(parents=True, exist_ok=True)
     suite_commit = git(args.test_suite, "rev-parse", args.test_suite_commit).strip()
     bench_commit = git(args.maskbench, "rev-parse", args.maskbench_commit).strip()
     (args.out / "LICENSE.JSON-Schema-Test-Suite").write_text(git(args.test_suite, "show", f"{suite_commit}:LICENSE"))
     (args.out / "LICENSE.jsonschemabench").write_text(maskbench_license(args.maskbench, bench_commit))
+    suffix = ".json.gz" if large else ".json"  # the large selection is 11 MB of JSON, 1.5 MB compressed
     for name, data in (
-        ("json_schema_test_suite.json", test_suite(args.test_suite, suite_commit)),
-        ("maskbench.json", maskbench(args.maskbench, bench_commit)),
+        (
+            "json_schema_test_suite" + suffix,
+            test_suite(args.test_suite, suite_commit, None if large else TEST_SUITE_GROUPS),
+        ),
+        (
+            "maskbench" + suffix,
+            maskbench(args.maskbench, bench_commit, MASKBENCH_LARGE_SAMPLE if large else MASKBENCH_SAMPLE),
+        ),
     ):
         size = write(args.out / name, data)
         counts = {suite: len(cases) for suite, cases in data["suites"].items()}

@@ -55,6 +55,21 @@ def test_suites_are_pinned_with_their_source():
         assert (SUITES / json.loads((SUITES / source["file"]).read_text())["license"]).is_file()
 
 
+def test_compressed_suites_load_as_the_plain_ones(tmp_path: Path):
+    """The large selection (results/schema_suites_large) is pinned gzip-compressed: the same cases and provenance."""
+    import gzip
+
+    for path in sorted(SUITES.glob("*.json")):
+        (tmp_path / f"{path.name}.gz").write_bytes(gzip.compress(path.read_bytes()))
+    plain, compressed = load_suites(SUITES), load_suites(tmp_path)
+    assert [c.id for c in compressed[0]] == [c.id for c in plain[0]] and len(plain[0]) > 300
+    assert [c.tests for c in compressed[0]] == [c.tests for c in plain[0]]
+    assert [s["file"] for s in compressed[1]] == [f"{s['file']}.gz" for s in plain[1]]
+    # the committed large selection: over 1,000 MaskBench schemas and every draft2020-12 group
+    large, _ = load_suites(Path(__file__).parents[2] / "results" / "schema_suites_large")
+    assert sum(c.suite != "draft2020-12" for c in large) >= 1000 and sum(c.suite == "draft2020-12" for c in large) > 300
+
+
 def test_no_schema_crashes(verdicts):
     assert [(v["id"], v["message"]) for v in verdicts if v["status"] == CRASHED] == []
     assert {v["status"] for v in verdicts} <= {COMPILED, REFUSED, TIMEOUT}

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import multiprocessing
 from collections.abc import Callable, Iterator
@@ -29,11 +30,17 @@ class Case:
     tests: list[dict]
 
 
+def suite_files(directory: Path) -> list[Path]:
+    """The pinned suite files in ``directory``: ``*.json``, or gzip-compressed ``*.json.gz``."""
+    return sorted([*directory.glob("*.json"), *directory.glob("*.json.gz")])
+
+
 def load_suites(directory: Path) -> tuple[list[Case], list[dict]]:
     """The pinned suite files in ``directory`` -> (every case, each file's provenance: source, commit, selection)."""
     cases, sources = [], []
-    for path in sorted(directory.glob("*.json")):
-        data = json.loads(path.read_text())
+    for path in suite_files(directory):
+        raw = path.read_bytes()
+        data = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
         sources.append({"file": path.name, **{k: data[k] for k in ("source", "commit", "path", "selection")}})
         for suite, items in data["suites"].items():
             cases.extend(Case(suite, item["id"], item["schema"], item["tests"]) for item in items)

@@ -76,6 +76,7 @@ from pask_jax.experiments.bench.schema_suites import (
     failing_keywords,
     load_suites,
     serializations,
+    suite_files,
 )
 from pask_jax.structure.regex import json_regex
 from pask_jax.structure.schema import ENFORCED_FORMATS, LOOSENED, SCHEMA_KEYWORDS, GrammarError
@@ -491,7 +492,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--max-tokens {args.max_tokens}: must be at least 1")
     if args.tokenizer and set(args.engines) != set(MASK_ENGINES):
         parser.error("mask mode compares all three engines: leave --engines at its default")
-    if not args.suites.is_dir() or not any(args.suites.glob("*.json")):
+    if not args.suites.is_dir() or not suite_files(args.suites):
         parser.error(f"--suites {args.suites}: no suite files (scripts/build_schema_suites.py writes them)")
     for engine in args.engines:
         try:
