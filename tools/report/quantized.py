@@ -44,6 +44,8 @@ ACTIONS_DEV_ALL = (  # every dev candidate on the 34 items of the three categori
     "results/dev_actions/dev_calib18_fill_window.json",
     "results/dev_actions/dev_kivi_uncapped.json",
     "results/dev_actions/dev_calib8_low4.json",
+    "results/dev_actions/dev_two_pools.json",
+    "results/dev_actions/dev_kivi4_capped.json",
 )
 
 
@@ -163,6 +165,9 @@ def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
         "kivi:r32": "KIVI with a full-precision window of 32 (`kivi:r64`: 64; `kivi`: 128)",
         "kivi:k2": "KIVI at 2 bits without a cap (b = 1; `kivi` at b = 1 takes 4 bits)",
         "pask:low4": "precision actions with KIVI-4 as LOW, under an 8-item policy calibrated at KIVI-4",
+        "pask:two_pools": "precision actions over two block pools (HIGH 4 bits, LOW 2 bits, a full-precision window "
+        "of 32), under the 17-item policy compiled from its KIVI-2 and KIVI-4 calibrations",
+        "kivi:k4": "KIVI at 4 bits under the cap (the oldest entries leave; `kivi` takes 2 bits at b <= 0.33)",
         "pask:actions": "the 17-item policy under the default rule",
     }
     present = {row[0].split(" @ ")[0] for row in rows}  # the methods with a row
