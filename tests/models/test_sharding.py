@@ -30,7 +30,7 @@ from pask_jax.calibration.compiler import compile_policy
 from pask_jax.experiments.sweep import generate_shared, prefill_groups
 from pask_jax.llm import LLM
 from pask_jax.memory import cache_bytes_per_device, param_bytes_per_device
-from pask_jax.methods import METHODS, KVMethod, PaskKV
+from pask_jax.methods import KVMethod, PaskKV
 from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.models.loading import cast_model, resolve_dtype
 from pask_jax.models.sharding import (
@@ -54,9 +54,10 @@ LAYOUTS = ((8, 1), (4, 2), (2, 4))
 BUDGET = 0.33
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one per XLA backend compile
 STEPS = {"prefill": prefill.prefill_jit, "decode": step.decode_jit, "sample": sampling.sample_masked}  # jitted steps
-# every method with its defaults, PASK under a (synthetic) policy, and SnapKV decoding through the Pallas kernel
-# the matrix's methods (int8 among them), KIVI with blocks that fill, PASK under a policy, SnapKV through the kernel
-NAMES = (*sorted(n for n in CASES if n in METHODS), "kivi_group8", "pask_policy", "snapkv_kernel")
+# one method per way a cache is laid out, filled or read: slots (full, int8), blocks that fill (KIVI), per-layer
+# fractions (PyramidKV), prefill statistics (SnapKV's window, DapQ's pseudo queries, H2O's decode attention), PASK
+# under a policy, and SnapKV decoding through the Pallas kernel
+NAMES = ("dapq", "full", "h2o", "int8", "pyramidkv", "snapkv", "kivi_group8", "pask_policy", "snapkv_kernel")
 EVERY_METHOD_LAYOUT = (4, 2)  # both axes split: every NAMES method runs on it; the other layouts run LAYOUT_NAMES
 LAYOUT_NAMES = ("full", "pask_policy")
 CONTINUOUS = "pask_policy"  # the method continuous batching runs on every layout
