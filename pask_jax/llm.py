@@ -50,7 +50,7 @@ from pask_jax.models.loading import cast_model, resolve_dtype
 from pask_jax.models.sharding import check_mesh
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.policy import ModelFingerprint, PersistencePolicy, resolve_policy
-from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError
+from pask_jax.requests import PreparedRequest, RequestBuilder, RequestError, StageClock
 from pask_jax.runtime.batching import Job, MemoryLimitError
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.rows import Generation
@@ -167,9 +167,11 @@ class LLM:
             "policy": self.policy.content_hash() if self.policy is not None else None,
         }
 
-    def prepare(self, body: dict) -> PreparedRequest:
-        """Validate, render, tokenize and compile one request body (RequestError / GrammarError if it cannot run)."""
-        return self.builder.prepare(self.builder.parse(body))
+    def prepare(self, body: dict, timings: dict[str, float] | None = None) -> PreparedRequest:
+        """Validate, render, tokenize and compile one request body (RequestError / GrammarError if it cannot run);
+        each stage's seconds into `timings` when given (parse_s, then `RequestBuilder.prepare`'s)."""
+        request = StageClock(timings)("parse_s", self.builder.parse, body)
+        return self.builder.prepare(request, timings)
 
     def chat(self, requests: dict | Sequence[dict]) -> list[dict]:
         """Chat-completions bodies -> `chat.completion` objects, in order. A bad request raises, naming its index."""
@@ -224,7 +226,7 @@ class LLM:
         whose cache alone exceeds `kv_memory_bytes` gets a RequestError in place of its completion."""
 
         def constraint(indices: list[int]) -> TokenConstraint:
-            return self._constraint([prepared[i] for i in indices])
+            return self.batch_constraint([prepared[i] for i in indices])
 
         for indices, results, created in self.make_scheduler().run(self.jobs(prepared), constraint):
             completions = [
@@ -233,7 +235,7 @@ class LLM:
             ]
             yield indices, completions
 
-    def _constraint(self, batch: Sequence[PreparedRequest]) -> TokenConstraint:
+    def batch_constraint(self, batch: Sequence[PreparedRequest]) -> TokenConstraint:
         """The constraint of requests that are all grammar-constrained (by the builder's backend) or all free."""
         vocab = self.engine.cfg.vocab_size
         if batch[0].grammar is not None:

@@ -395,6 +395,34 @@ def test_entrypoints_bench_runs_both_paths_on_the_same_items(tiny_qwen_vocab, qw
     assert "round 1:" in capsys.readouterr().out
 
 
+def test_prep_bench_times_every_stage_cold_and_warm_per_backend(tiny_qwen_vocab, qwen_tok, capsys):
+    """Both backends on two BFCL bodies and two user requests (one free text): every stage is timed, the cold
+    outlines compile outweighs the warm one (the in-memory cache), the batch's host and device seconds add up."""
+    from pask_jax.experiments.bench.prep import STAGES, bfcl_bodies, measure, user_bodies
+    from pask_jax.llm import LLM
+    from pask_jax.models.chat_template import ChatTemplate
+
+    template = ChatTemplate((Path(__file__).parents[1] / "data" / "qwen2.5_instruct.jinja").read_text(), "<|im_end|>")
+    requests = Path(__file__).parents[2] / "examples" / "requests.jsonl"
+    user = [b for b in user_bodies(requests, 5) if not b.get("tools")][:1] + user_bodies(requests, 5)[:1]
+    mixes = {"bfcl": bfcl_bodies(1, 5), "user": user}
+
+    def make_llm(backend: str) -> LLM:
+        return LLM(tiny_qwen_vocab, method="full", tokenizer=qwen_tok, chat_template=template, grammar_backend=backend)
+
+    results, vocabulary_s = measure(make_llm, ("outlines", "llguidance"), mixes, speedup=100.0)
+    assert vocabulary_s > 0 and sorted(results) == ["llguidance", "outlines"]
+    for summary in (s for per_mix in results.values() for s in per_mix.values()):
+        assert summary["requests"] == 2 and summary["tokens"] > 0
+        for row in summary["per_request"]["cold"]:
+            assert set(STAGES) <= set(row) and row["total_s"] == sum(row[stage] for stage in STAGES)
+        assert summary["device_s_per_request"] > 0 and summary["mask_s_per_request"] >= 0
+        assert summary["host_over_device_at_speedup"] == pytest.approx(100 * summary["host_over_device"], rel=0.05)
+    outlines = results["outlines"]["bfcl"]
+    assert outlines["cold"]["grammar_s"] > 10 * outlines["warm"]["grammar_s"]  # compiled, then from memory
+    assert "outlines   bfcl" in capsys.readouterr().out
+
+
 def test_compile_bench_times_each_step_and_warm_compiles_load_from_the_cache(tmp_path):
     """In its own process (the persistent XLA cache is process-wide state): every step is timed, and the warm pass
     takes both executables of every (method, length) from the fresh cache the cold pass filled; XLA's memory analysis

@@ -9,6 +9,8 @@
 - `entrypoints`: `pask-jax run` against `pask-jax bfcl` on the same BFCL items (tokens/s, same calls).
 - `schemas`: JSON Schema coverage on pinned external suites, our grammar next to xgrammar and llguidance.
 - `grammars`: seconds to prepare a tool list's grammar: compiled cold, loaded from the disk cache, from memory.
+- `prep`: host seconds per request (each preparation stage, cold and warm, and the grammar masks) against device
+  seconds per request, per grammar backend.
 
 Benchmarks time grammar compiles as a new user meets them: no compiled grammar persists from an earlier run
 (`PASK_JAX_GRAMMAR_CACHE=off`, inherited by their worker processes; `grammars` names its own directories).
@@ -32,6 +34,7 @@ BENCHMARKS = {
     "entrypoints": "`run` vs `bfcl` tokens/s on the same items",
     "schemas": "JSON Schema coverage on external suites, vs xgrammar and llguidance",
     "grammars": "grammar preparation seconds: compiled cold, loaded from the disk cache, from memory",
+    "prep": "host seconds per request (preparation stages, masks) vs device seconds, per grammar backend",
 }
 USAGE = (
     "usage: pask-jax bench {"
