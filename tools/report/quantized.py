@@ -10,13 +10,11 @@ from tools.report.common import _keys, _table, items_of, load_json, outcomes
 from tools.report.serving import _serving
 from tools.report.stats import PAIRED_HEAD, paired
 
+QUANTIZED_SAMPLE = "results/quantized_eval/bfcl_items110_134_"  # + category (+ "_more": run_more.sh's rows) + .json
 # the four categories of the run over items 110-134, in the order they ran
-QUANTIZED_EVAL = tuple(
-    f"results/quantized_eval/bfcl_items110_134_{c}.json"
-    for c in ("simple_python", "live_simple", "multiple", "live_multiple")
-)
-# fp8 and StreamingLLM on the same items (run_more.sh), beside run.sh's rows: the categories whose run is complete
 QUANTIZED_MORE = ("simple_python", "live_simple", "multiple", "live_multiple")
+QUANTIZED_EVAL = tuple(f"{QUANTIZED_SAMPLE}{c}.json" for c in QUANTIZED_MORE)
+# fp8 and StreamingLLM on the same items (run_more.sh), beside run.sh's rows: the categories whose run is complete
 QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays, at low precision
 # the frozen evaluation of PASK with precision actions over items 160-184: per category a file of full KV and PASK v2
 # (`base`) and one of PASK v3 and KIVI (`v3`); the categories whose run is complete, in the order they ran
@@ -96,12 +94,12 @@ def _categories(files: Sequence[str], prefix: str) -> str:
 
 
 def quantized_vs_full(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> str:
-    sample = f"BFCL items 110-134 of {_categories(files, 'bfcl_items110_134_')}"
+    sample = f"BFCL items 110-134 of {_categories(files, Path(QUANTIZED_SAMPLE).name)}"
     return _vs_full(_merged(root, files), sample, QUANTIZED.__contains__, "the best uniform quantizer")
 
 
 def quantized_more_vs_full(root: Path, categories: Sequence[str] = QUANTIZED_MORE) -> str:
-    files = [f"results/quantized_eval/bfcl_items110_134_{c}{more}.json" for c in categories for more in ("", "_more")]
+    files = [f"{QUANTIZED_SAMPLE}{c}{more}.json" for c in categories for more in ("", "_more")]
     sample = f"BFCL items 110-134 of {', '.join(categories)}"
     return _vs_full(_merged(root, files), sample, QUANTIZED.__contains__, "the best uniform quantizer")
 
