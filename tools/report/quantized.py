@@ -11,10 +11,10 @@ from tools.report.serving import _serving
 from tools.report.stats import PAIRED_HEAD, paired
 
 QUANTIZED_SAMPLE = "results/quantized_eval/bfcl_items110_134_"  # + category (+ "_more": run_more.sh's rows) + .json
-# the four categories of the run over items 110-134, in the order they ran
+# the four categories of the run over items 110-134, in the order they ran; fp8 and StreamingLLM ran on all four
+# (run_more.sh, beside run.sh's rows)
 QUANTIZED_MORE = ("simple_python", "live_simple", "multiple", "live_multiple")
 QUANTIZED_EVAL = tuple(f"{QUANTIZED_SAMPLE}{c}.json" for c in QUANTIZED_MORE)
-# fp8 and StreamingLLM on the same items (run_more.sh), beside run.sh's rows: the categories whose run is complete
 QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays, at low precision
 # the frozen evaluation of PASK with precision actions over items 160-184: per category a file of full KV and PASK v2
 # (`base`) and one of PASK v3 and KIVI (`v3`); the categories whose run is complete, in the order they ran
