@@ -213,12 +213,14 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     # the record of the run: every flag given, without argparse's own entries
     ran_with = {k: v for k, v in vars(args).items() if k not in ("command", "func", "check") and v is not None}
     head_dim = checkpoint.fingerprint.head_dim
+    storage = None  # precision actions: the cache the policy is compiled for
+    if stats.low_storage is not None:
+        storage = Storage.for_actions(stats.low_storage, stats.high_storage or "bf16", head_dim, window=args.window)
     policy = compile_policy(
         stats,
         budgets,
-        entry_bytes=None
-        if stats.low_storage is None
-        else Storage.for_actions(stats.low_storage, stats.high_storage or "bf16", head_dim).action_bytes(head_dim),
+        entry_bytes=None if storage is None else storage.action_bytes(head_dim),
+        window_bytes=0.0 if storage is None or not stats.high_storage else storage.window_bytes(head_dim),
         value=args.value,
         tolerance=args.tolerance,
         floor_share=args.floor_share,
@@ -406,6 +408,13 @@ def main(argv: list[str] | None = None) -> None:
         help="statistics of the same items measured at a second LOW precision (a stats.json or policy directory, "
         "e.g. --low-storage kivi4): RETAIN_HIGH becomes that block precision instead of full precision (two block "
         "pools and a full-precision window)",
+    )
+    p.add_argument(
+        "--window",
+        type=int_at_least(1),
+        default=32,
+        help="with --high-stats: the full-precision window the cache keeps (PASK's high_window; at least a block): "
+        "its bytes are set aside from the budget",
     )
     p.add_argument("--ablation", default="none", choices=ABLATIONS, help="compile an ablated policy")
     p.add_argument("--out", required=True, help="policy directory, e.g. policies/my-model")
