@@ -301,13 +301,20 @@ class GroupCache:
         )
 
     def take_down(
-        self, layer: int, do: jax.Array, order: jax.Array | None = None, pool: jax.Array | None = None
+        self,
+        layer: int,
+        do: jax.Array,
+        order: jax.Array | None = None,
+        pool: jax.Array | None = None,
+        forced: jax.Array | None = None,
     ) -> GroupCache:
         """Move the `block` live slot entries lowest in `order` (f32[B, K, C]; None: the oldest) of each (sequence,
         head) in `do` (bool[B, K]) into a free block of the block pool (keys re-quantized per channel over the
         block): KIVI's flush of its full-precision window. With two pools, `pool` (i32[B, K, C]; None: 0) says which
         pool each slot entry goes into, and the block is of the pool whose lowest entry is lowest among those with a
-        block of live entries and a free block. Where no pool has both, nothing moves."""
+        block of live entries and a free block. Where no pool has both, nothing moves -- unless `forced` (bool[B, K]:
+        the bytes are over) and the slots hold a block of live entries: then the lowest `block` of any pool go down
+        into the last pool (the lowest precision) that has a free block, rather than anything leave the cache."""
         block = self.storage.block
         pos = self.pos[layer]  # [B, K, C]
         order = pos.astype(jnp.float32) if order is None else order
@@ -319,8 +326,18 @@ class GroupCache:
             ready.append((mine.sum(-1) >= block) & (blocks.count[layer] < blocks.blocks))
             lowest.append(jnp.where(ready[-1], jnp.min(jnp.where(mine, ranked, jnp.inf), -1), jnp.inf))
         target = jnp.argmin(jnp.stack(lowest, -1), axis=-1)  # i32[B, K]: the pool the block goes into
-        do = do & jnp.take_along_axis(jnp.stack(ready, -1), target[..., None], axis=-1)[..., 0]
-        going = jnp.argsort(jnp.where(pool == target[..., None], ranked, jnp.inf), axis=-1)[..., :block]  # [B, K, T]
+        ready_at_target = jnp.take_along_axis(jnp.stack(ready, -1), target[..., None], axis=-1)[..., 0]
+        last = self.block_pools[-1]
+        mixed = (
+            (False if forced is None else forced)
+            & ~jnp.stack(ready, -1).any(-1)
+            & ((pos >= 0).sum(-1) >= block)
+            & (last.count[layer] < last.blocks)
+        )  # bool[B, K]: a block of entries of both pools into the last one
+        target = jnp.where(mixed, len(self.block_pools) - 1, target)
+        do = do & (ready_at_target | mixed)
+        going_here = mixed[..., None] | (pool == target[..., None])
+        going = jnp.argsort(jnp.where(going_here, ranked, jnp.inf), axis=-1)[..., :block]  # i32[B, K, T]
         k, v = self.slot_kv(layer)
         picked = [jnp.take_along_axis(x, going[..., None], axis=2) for x in (k, v)]  # f[B, K, T, H]
         picked_pos, picked_role = (jnp.take_along_axis(x[layer], going, axis=2) for x in (self.pos, self.role))

@@ -77,6 +77,13 @@ def _check_calibrate(args: argparse.Namespace) -> None:
                 )
         else:
             input_file(given, flag)
+    if args.window is not None and not args.high_stats:
+        raise UsageError("--window sets the full-precision window of a two-pool policy: give --high-stats too")
+    if args.high_stats:  # statistics that cannot pair are refused before any calibration runs
+        from pask_jax.policy_compiler import CalibrationStats
+
+        if CalibrationStats.load(_stats_file(Path(args.high_stats))).low_storage is None:
+            raise UsageError(f"--high-stats {args.high_stats}: calibrated without --low-storage, nothing to pair")
     if args.value != "distortion" and not (args.low_storage or args.stats):
         raise UsageError(
             f"--value {args.value} ranks precision actions: calibrate with --low-storage (or compile --stats measured "
@@ -213,12 +220,15 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     # the record of the run: every flag given, without argparse's own entries
     ran_with = {k: v for k, v in vars(args).items() if k not in ("command", "func", "check") and v is not None}
     head_dim = checkpoint.fingerprint.head_dim
+    storage = None  # precision actions: the cache the policy is compiled for
+    if stats.low_storage is not None:
+        window = TWO_POOL_WINDOW if args.window is None else args.window
+        storage = Storage.for_actions(stats.low_storage, stats.high_storage or "bf16", head_dim, window=window)
     policy = compile_policy(
         stats,
         budgets,
-        entry_bytes=None
-        if stats.low_storage is None
-        else Storage.for_actions(stats.low_storage, stats.high_storage or "bf16", head_dim).action_bytes(head_dim),
+        entry_bytes=None if storage is None else storage.action_bytes(head_dim),
+        window_bytes=0.0 if storage is None or not stats.high_storage else storage.window_bytes(head_dim),
         value=args.value,
         tolerance=args.tolerance,
         floor_share=args.floor_share,
@@ -246,6 +256,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
             f"{budgets[0]}\n"
             f"  pask-jax compare {dev_path} dev_full.jsonl dev_pask.jsonl"
         )
+
+
+TWO_POOL_WINDOW = 32  # `calibrate --window`'s default: KIVI's window at its smallest, one block
 
 
 def _stats_file(source: Path) -> Path:
@@ -406,6 +419,12 @@ def main(argv: list[str] | None = None) -> None:
         help="statistics of the same items measured at a second LOW precision (a stats.json or policy directory, "
         "e.g. --low-storage kivi4): RETAIN_HIGH becomes that block precision instead of full precision (two block "
         "pools and a full-precision window)",
+    )
+    p.add_argument(
+        "--window",
+        type=int_at_least(1),
+        help=f"with --high-stats: the full-precision window the cache keeps (PASK's high_window; at least a block; "
+        f"default {TWO_POOL_WINDOW}): its bytes are set aside from the budget",
     )
     p.add_argument("--ablation", default="none", choices=ABLATIONS, help="compile an ablated policy")
     p.add_argument("--out", required=True, help="policy directory, e.g. policies/my-model")

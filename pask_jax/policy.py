@@ -183,6 +183,8 @@ class PersistencePolicy:
         options = dataclasses.asdict(self.compile_options) if self.compile_options else None
         if options is not None and options["entry_bytes"] is None:  # presence-only options as they were written
             del options["entry_bytes"], options["value"]
+        if options is not None and not options.get("window_bytes"):  # nothing set aside: as written before
+            options.pop("window_bytes", None)
 
         def actions(t: PolicyTable, r: int) -> list[str]:
             if t.action is None:

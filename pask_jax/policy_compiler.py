@@ -208,6 +208,9 @@ class CompileOptions:
     # statistics must carry the LOW measurements); None: presence-only tables.
     entry_bytes: tuple[float, float, float] | None = None
     value: str = "distortion"  # precision actions: the knapsack's value, one of ACTION_VALUES
+    # precision actions: bytes per layer (and KV head) the cache holds beside the plan's entries, set aside from each
+    # group's share (a two-pool cache's full-precision window: its entries' bytes over their LOW bytes)
+    window_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ablation not in ABLATIONS:
@@ -216,6 +219,12 @@ class CompileOptions:
             raise ValueError(f"unknown action value {self.value!r}; choose one of {', '.join(ACTION_VALUES)}")
         if self.value != "distortion" and self.entry_bytes is None:
             raise ValueError(f"value={self.value!r} ranks precision actions: it needs entry_bytes")
+        if self.window_bytes and self.entry_bytes is None:
+            raise ValueError(
+                f"window_bytes={self.window_bytes} sets bytes aside from precision actions: it needs entry_bytes"
+            )
+        if self.window_bytes < 0:
+            raise ValueError(f"window_bytes={self.window_bytes} must be >= 0")
         if not 0.0 <= self.floor_share <= 1.0:
             raise ValueError(f"floor_share={self.floor_share} must be in [0, 1]")
         if self.entry_bytes is not None:
@@ -437,6 +446,7 @@ def compile_action_table(
     floor_share: float = 1.0,
     group_layers: np.ndarray | None = None,  # i[G] layers per group (default: equal)
     value: str = "distortion",  # one of ACTION_VALUES
+    window_bytes: float = 0.0,  # bytes per layer held beside the plan (CompileOptions.window_bytes)
 ) -> PolicyTable:
     """One budget's table with precision actions from `CalibrationStats` carrying the LOW statistics (task_error[R,
     G, Λ], task_error_low, distortion, distortion_low, entries[R, G]). `entry_bytes` = (full bf16, LOW, HIGH) bytes
@@ -447,7 +457,8 @@ def compile_action_table(
     roles, groups = weight.shape
     cost = weight[..., None] * np.array([0.0, low_bytes, high_bytes])  # f64[R, G, 3] bytes of each action
     reference = full * total_per_group  # f64[G] bytes of each group at full bf16 KV
-    capacity = budget * reference.sum()
+    reserved = window_bytes * layers  # f64[G] held beside the plan in every layer of the group
+    capacity = max(budget * reference.sum() - reserved.sum(), 0.0)
     slack = 1e-9 * reference.sum()  # byte sums that agree up to float rounding fit
     present = weight > 0
 
@@ -461,7 +472,7 @@ def compile_action_table(
         low_ok = np.where(error[..., RETAIN_LOW] <= tolerance, RETAIN_LOW, RETAIN_HIGH)
         start = np.where(removed <= tolerance, RELEASE, low_ok)
     start[~present] = RETAIN_LOW  # nothing measured and nothing to pay for: neither dropped nor full precision
-    start = _step_floors_down(start, error, cost, floor_share * budget * reference, slack)
+    start = _step_floors_down(start, error, cost, np.maximum(floor_share * budget * reference - reserved, 0.0), slack)
 
     # 2. The remaining bytes: multiple-choice knapsack over (bucket, action), value = the damage of RELEASE that the
     #    action removes. Distortion is a norm ratio over the group's layers: like the presence compile (value per
@@ -484,7 +495,10 @@ def compile_action_table(
     else:
         values = cost  # every byte worth the same
     steps = _hull_steps(start, cost, values)
-    low, high = budget / GROUP_SHARE * reference, min(1.0, GROUP_SHARE * budget) * reference
+    low, high = (
+        np.maximum(share * reference - reserved, 0.0)
+        for share in (budget / GROUP_SHARE, min(1.0, GROUP_SHARE * budget))
+    )
     action = _take_upgrades(start, steps, cost, low, capacity, slack)  # every group its own lower bound first
     action = _take_upgrades(action, steps, cost, high, capacity, slack)
 
@@ -499,7 +513,7 @@ def compile_action_table(
     if use_floors:
         fraction_floor = _fraction_floors(stats, budget, tolerance, floor_share, weight, total_per_group)
     floor = np.where(action == RELEASE, fraction_floor, 1.0)  # retained buckets are not released: all are kept
-    fractions = held.sum(0) / np.maximum(reference, 1e-9)
+    fractions = (held.sum(0) + reserved) / np.maximum(reference, 1e-9)
     fractions = _within_budget(np.clip(fractions, budget / GROUP_SHARE, min(1.0, GROUP_SHARE * budget)), budget, layers)
     return PolicyTable(
         budget=float(budget),
@@ -533,5 +547,5 @@ def compile_tables(
     common = {"tolerance": options.tolerance, "floor_share": options.floor_share, "group_layers": group_layers} | off
     if options.entry_bytes is None:
         return tuple(compile_table(stats, budget, **common) for budget in budgets)
-    common["value"] = options.value
+    common |= {"value": options.value, "window_bytes": options.window_bytes}
     return tuple(compile_action_table(stats, budget, options.entry_bytes, **common) for budget in budgets)

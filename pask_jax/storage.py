@@ -127,6 +127,14 @@ class Storage:
         block = group or PRESETS[high][0].group
         return cls.with_blocks(high, head_dim, group, max(window, block), second=low)
 
+    def window_bytes(self, head_dim: int) -> float:
+        """What the full-precision window holds, per layer and KV head, beyond its entries' bytes in the last block
+        pool: `window` entries and half a block on average (it goes down a block at a time)."""
+        if self.blocks is None:
+            return 0.0
+        low = self.block_entry_bytes(head_dim, len(self.block_pools) - 1)
+        return (self.window + self.block / 2) * (self.slot_entry_bytes(head_dim) - low)
+
     def slot_entry_bytes(self, head_dim: int) -> float:
         """Bytes one slot-pool entry (one token of one KV head) holds, metadata included."""
         return 2 * bytes_per_token(self.slots, head_dim) + SLOT_METADATA_BYTES

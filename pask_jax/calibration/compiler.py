@@ -27,6 +27,7 @@ def compile_policy(
     floor_share: float = 1.0,
     entry_bytes: tuple[float, float, float] | None = None,  # (full bf16, LOW, HIGH): precision actions (CompileOptions)
     value: str = "distortion",  # precision actions: the knapsack's value (CompileOptions.value)
+    window_bytes: float = 0.0,  # precision actions: bytes per layer held beside the plan (CompileOptions)
 ) -> PersistencePolicy:
     """A policy over several budgets, carrying the calibration's model, layer count, groups and item ids, the
     statistics and compile options (so it answers any other budget too), and the fingerprint of the model it fits
@@ -38,7 +39,12 @@ def compile_policy(
             f"{fits.num_layers}: calibrate this model (`pask-jax calibrate --model ...`)"
         )
     options = CompileOptions(
-        tolerance=tolerance, floor_share=floor_share, ablation=ablation, entry_bytes=entry_bytes, value=value
+        tolerance=tolerance,
+        floor_share=floor_share,
+        ablation=ablation,
+        entry_bytes=entry_bytes,
+        value=value,
+        window_bytes=window_bytes,
     )
     return PersistencePolicy(
         model=stats.model,

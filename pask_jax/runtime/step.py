@@ -254,7 +254,7 @@ class StepPlan:
         window_full = cache.length[li] >= self.storage.window + self.storage.block
         role = cache.role[li].astype(jnp.int32)
         down = method.down_priority(layer, cache.score[li], cache.pos[li], role, positions, step.prompt_lengths)
-        cache = cache.take_down(li, window_full | over, down, method.block_pool(layer, role))
+        cache = cache.take_down(li, window_full | over, down, method.block_pool(layer, role), forced=over)
         over = budget.cache_held(cache, li) > limit
         priority = jnp.where(cache.pos[li] >= 0, priority, jnp.inf)  # the entries taken down are no candidates
         # the lowest candidate leaves: a slot entry, or a whole block of a pool (a tie keeps the blocks)

@@ -234,6 +234,7 @@ def test_calibrate_refuses_bad_paths_and_settings_before_the_model(tmp_path: Pat
     out = str(tmp_path / "policy")
     stats_dir = tmp_path / "stats-less"
     stats_dir.mkdir()
+    presence = Path(__file__).parents[2] / "results" / "policies" / "qwen2.5-coder-0.5b-own16" / "stats.json"
     cases = {
         "--stats /pask-jax-missing.json: no such file": ["--stats", "/pask-jax-missing.json"],
         f"--stats {stats_dir}: the directory holds no stats.json": ["--stats", str(stats_dir)],
@@ -251,6 +252,9 @@ def test_calibrate_refuses_bad_paths_and_settings_before_the_model(tmp_path: Pat
         "argument --tolerance": ["--tolerance", "-0.1"],
         "argument --groups": ["--groups", "0"],
         "--checkpoint": ["--checkpoint", str(requests_file)],
+        f"--high-stats {stats_dir}: the directory holds no stats.json": ["--high-stats", str(stats_dir)],
+        "--window sets the full-precision window of a two-pool policy": ["--window", "32"],
+        "calibrated without --low-storage, nothing to pair": ["--high-stats", str(presence)],
     }
     for named, flags in cases.items():
         assert named in usage_error(["calibrate", "--out", out, *flags], capsys), flags

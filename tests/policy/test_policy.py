@@ -568,6 +568,17 @@ def test_a_lossy_high_pairs_two_calibrations_and_sets_floors_and_values():
     # bytes are left over, as at 0.33, upgrades worth nothing take them as with a full-precision HIGH)
     flat = dataclasses.replace(both, distortion_high=low_calibration().distortion_low)
     assert high_entries(both, 0.2) > high_entries(flat, 0.2)
+    # a full-precision window held beside the plan: its bytes come out of every group's share, and into its fraction
+    window = 1500.0  # bytes per layer
+    table = _precision(both, 0.33, entry_bytes=BYTES_4_2, window_bytes=window)
+    layers = np.full(G, 2.0)  # the synthetic statistics: 4 layers in 2 groups
+    planned = (entries * np.array([0.0, *BYTES_4_2[1:]])[table.action]).sum(0) * layers  # f64[G]
+    reference = BYTES_4_2[0] * entries.sum(0) * layers
+    assert planned.sum() + window * layers.sum() <= 0.33 * reference.sum() + 1e-6
+    np.testing.assert_allclose(table.group_fractions, (planned + window * layers) / reference, rtol=1e-5)
+    assert high_entries(both, 0.33) > float(entries[table.action == RETAIN_HIGH].sum())
+    with pytest.raises(ValueError, match="needs entry_bytes"):
+        CompileOptions(window_bytes=100.0)
     with pytest.raises(PolicyError, match="distortion_high"):
         _precision(dataclasses.replace(both, distortion_high=None), 0.2, entry_bytes=BYTES_4_2)
     with pytest.raises(ValueError, match="both statistics were measured at kivi2"):

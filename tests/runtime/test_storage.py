@@ -269,6 +269,28 @@ def test_take_down_moves_a_block_of_one_pool_into_that_pool():
     np.testing.assert_array_equal(stuck.length[0], 1)  # no pool has a block of live entries: nothing moves
 
 
+def test_forced_take_down_moves_a_mixed_block_into_the_lowest_precision_pool():
+    """Two entries of each pool in the slots, a block of four: neither pool can take a block of its own; forced (the
+    bytes over), the four go down together into the last pool (INT2), the INT4 entries among them re-quantized at 2
+    bits; unforced, nothing moves."""
+    rng = np.random.default_rng(8)
+    cache = _two_pool_cache()
+    for p, tag in enumerate([0, 1, 0, 1, 1]):
+        x = jnp.asarray(rng.normal(size=(B, K, H)), jnp.float32)
+        cache = cache.write(0, x, x, jnp.full((B,), p), jnp.full((B,), tag), jnp.ones((B, K), bool))
+    pool = cache.role[0].astype(jnp.int32)
+    do = jnp.ones((B, K), bool)
+    np.testing.assert_array_equal(cache.take_down(0, do, pool=pool).length[0], 5)  # pool 1 has three: not a block
+    kept = cache.take_down(0, do, pool=pool, forced=jnp.zeros((B, K), bool))
+    np.testing.assert_array_equal(kept.length[0], 5)
+    forced = cache.take_down(0, do, pool=pool, forced=jnp.asarray([[True, False]] * B))
+    int4, int2 = forced.block_pools
+    np.testing.assert_array_equal(int4.count[0], 0)
+    np.testing.assert_array_equal(int2.count[0], [[1, 0]] * B)  # only the forced head moved
+    np.testing.assert_array_equal(int2.pos[0, :, 0, 0], [[0, 1, 2, 3]] * B)  # the oldest four, of both pools
+    np.testing.assert_array_equal(forced.length[0], [[1, 5]] * B)
+
+
 def test_tagged_prefill_count_keeps_the_most_newest_entries_whose_blocks_and_rest_fit():
     budget = ByteBudget(TWO_POOLS, H, capped=True)
     slot, (block4, block2) = budget.slot_bytes, budget.pool_block_bytes
