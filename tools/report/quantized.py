@@ -44,6 +44,7 @@ ACTIONS_DEV_ALL = (  # every dev candidate on the 34 items of the three categori
     "results/dev_actions/dev_calib8_low4.json",
     "results/dev_actions/dev_two_pools.json",
     "results/dev_actions/dev_kivi4_capped.json",
+    "results/dev_actions/dev_two_pools_window.json",
 )
 
 
@@ -166,6 +167,8 @@ def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
         "pask:two_pools": "precision actions over two block pools (HIGH 4 bits, LOW 2 bits, a full-precision window "
         "of 32), under the 17-item policy compiled from its KIVI-2 and KIVI-4 calibrations",
         "kivi:k4": "KIVI at 4 bits under the cap (the oldest entries leave; `kivi` takes 2 bits at b <= 0.33)",
+        "pask:two_pools_w": "the same with the window's bytes set aside in the compile (`--window 32`) and a mixed "
+        "window block moved down to 2 bits rather than anything evicted",
         "pask:actions": "the 17-item policy under the default rule",
     }
     present = {row[0].split(" @ ")[0] for row in rows}  # the methods with a row
