@@ -23,8 +23,8 @@ Presence compile (`compile_table`, the default: `CompileOptions.entry_bytes` is 
 Precision compile (`compile_action_table`: `entry_bytes` given and statistics with the LOW-precision measurements).
 The cache holds an entry at HIGH precision (a bf16 slot, or a 4-bit block entry where the statistics carry HIGH
 measurements too) or LOW precision (a 2-bit block entry, a fraction of the bytes), and the budget counts bytes
-against a full bf16 cache. Each bucket gets one of three actions: RELEASE
-(evicted first), RETAIN_LOW (kept at LOW precision) or RETAIN_HIGH (kept at HIGH precision).
+against a full bf16 cache. Each bucket gets one of three actions: RELEASE (evicted first), RETAIN_LOW (kept at LOW
+precision) or RETAIN_HIGH (kept at HIGH precision).
 
 1. Floor actions: the cheapest action whose task-error increase stays within `tolerance` (RELEASE if removing the
    bucket is harmless, else RETAIN_LOW if storing it at LOW precision is, else RETAIN_HIGH). If a group's floors
@@ -250,9 +250,10 @@ def pooled_stats(stats, axis: int):
     pooled = copy.copy(stats)
     pooled.task_error = pool(np.asarray(stats.task_error, np.float64))
     pooled.distortion_per_entry = pool(np.asarray(stats.distortion_per_entry, np.float64))
-    if getattr(stats, "task_error_low", None) is not None:
-        pooled.task_error_low = pool(np.asarray(stats.task_error_low, np.float64))
-    for name in ("distortion", "distortion_low"):  # bucket totals: pooled per entry
+    for name in ("task_error_low", "task_error_high"):  # the precision twins of task_error, where measured
+        if getattr(stats, name, None) is not None:
+            setattr(pooled, name, pool(np.asarray(getattr(stats, name), np.float64)))
+    for name in ("distortion", "distortion_low", "distortion_high"):  # bucket totals: pooled per entry
         if getattr(stats, name, None) is not None:
             per_entry = np.asarray(getattr(stats, name), np.float64) / np.maximum(weight, 1e-9)
             setattr(pooled, name, pool(per_entry) * weight)

@@ -579,6 +579,15 @@ def test_a_lossy_high_pairs_two_calibrations_and_sets_floors_and_values():
     assert high_entries(both, 0.33) > float(entries[table.action == RETAIN_HIGH].sum())
     with pytest.raises(ValueError, match="needs entry_bytes"):
         CompileOptions(window_bytes=100.0)
+    # the one_role ablation pools HIGH's measurements as it pools LOW's: per entry, one value for every role of a group
+    present = entries[:, 0] > 0
+    before = both.distortion_high[present, 0] / entries[present, 0]
+    assert np.ptp(before) > 0  # tool names distort most
+    pooled = pooled_stats(both, axis=0)
+    np.testing.assert_allclose(
+        pooled.distortion_high[present, 0] / entries[present, 0],
+        before @ entries[present, 0] / entries[present, 0].sum(),
+    )
     with pytest.raises(PolicyError, match="distortion_high"):
         _precision(dataclasses.replace(both, distortion_high=None), 0.2, entry_bytes=BYTES_4_2)
     with pytest.raises(ValueError, match="both statistics were measured at kivi2"):
