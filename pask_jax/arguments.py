@@ -25,6 +25,7 @@ LOW_STORAGE_NAMES = ("kivi2", "kivi4")  # `calibrate --low-storage`: the block f
 # = structure.backend.BACKENDS: ours (schema translation + outlines-core; "-loose": unenforced constraints dropped,
 # not refused), llguidance's compiler, or per request ours where it enforces every keyword, else llguidance
 GRAMMAR_BACKENDS = ("outlines", "outlines-loose", "llguidance", "auto")
+DEFAULT_PREP_WORKERS = 2  # = llm.LLM's: host threads compiling grammars while the device runs
 
 
 def method_spec(spec: str) -> str:

@@ -32,6 +32,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from pask_jax.requests import PreparedRequest
+from pask_jax.structure.schema import GrammarError
 
 BATCH_URL = "/v1/chat/completions"
 
@@ -172,6 +173,11 @@ def process_output_path(output_path: str | Path, process: int = 0, processes: in
     return output_path if processes == 1 else output_path.with_name(f"{output_path.name}.{process}-of-{processes}")
 
 
+def _error_code(error: Exception) -> str:
+    """A request that failed in `LLM.generate`: its grammar did not compile on a worker, or its cache is too large."""
+    return "invalid_request" if isinstance(error, GrammarError) else "kv_memory"
+
+
 def run_batch(
     llm_factory: Callable[[], object],
     input_path: str | Path,
@@ -209,7 +215,7 @@ def run_batch(
         errors = []
         for entry in todo:
             try:
-                prepared.append((entry, llm.prepare(entry.body)))
+                prepared.append((entry, llm.prepare(entry.body, ahead=True)))
             except ValueError as e:  # RequestError, GrammarError, a prompt past the context
                 errors.append(error_record(entry, "invalid_request", str(e)))
         out.write(errors)
@@ -220,7 +226,7 @@ def run_batch(
                 failed = [(i, r) for i, r in pairs if isinstance(r, Exception)]
                 completions = [r for _, r in pairs if not isinstance(r, Exception)]
                 out.write(
-                    [error_record(prepared[i][0], "kv_memory", str(r)) for i, r in failed]
+                    [error_record(prepared[i][0], _error_code(r), str(r)) for i, r in failed]
                     + [success_record(prepared[i][0], r) for i, r in pairs if not isinstance(r, Exception)]
                 )
                 summary.failed += len(failed)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pask_jax.arguments import (
     AUTO_POLICY,
+    DEFAULT_PREP_WORKERS,
     GRAMMAR_CACHE_OFF,
     LOW_STORAGE_NAMES,
     METHOD_NAMES,
@@ -148,6 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             scheduler=args.scheduler,
             max_prefill_rows=args.prefill_rows,
             grammar_backend=args.grammar_backend,
+            prep_workers=args.prep_workers,
             **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}),
             **({"grammar_cache_dir": args.grammar_cache} if args.grammar_cache else {}),
             **options,
@@ -361,6 +363,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar="DIR",
         help="directory compiled grammars persist in, for later runs and other processes or hosts (default: "
         "$PASK_JAX_GRAMMAR_CACHE, else ~/.cache/pask-jax/grammars); none: in memory only",
+    )
+    p.add_argument(
+        "--prep-workers",
+        type=int_at_least(0),
+        default=DEFAULT_PREP_WORKERS,
+        help="host threads compiling request grammars while the device runs (continuous batching: a request is "
+        "admitted once its grammar is compiled); 0: every grammar compiled before anything runs",
     )
     p.set_defaults(func=cmd_run, check=_check_run)
     p = sub.add_parser("compare", help="print the answers of several `run` outputs side by side")

@@ -25,6 +25,10 @@ schema with a constraint it does not enforce, such as `multipleOf`, is refused, 
 (`pask_jax.structure.guidance`: llguidance's JSON Schema compiler; `pip install llguidance==1.9.1`) or "auto"
 (outlines where it enforces every keyword of a request's schemas, llguidance where it does not), chosen by name in
 `pask_jax.structure.backend.backend_for`; PASK's roles and its release of unchosen tools are the same under each.
+`prep_workers`: host threads that compile request grammars (nearly all of a new tool list's preparation) while the
+device runs, under continuous batching: a request is admitted to a row once its grammar is compiled, so the device
+waits on the host only when no row has work (0: each request is compiled when it is prepared, before anything runs;
+static batches always are).
 `grammar_cache_dir`: where compiled grammars persist, so a new process (or another host) loads a tool list's grammar
 instead of compiling it again (`pask_jax.structure.grammar_cache`; process-wide): "auto" (the default:
 `$PASK_JAX_GRAMMAR_CACHE`, else `~/.cache/pask-jax/grammars`), a directory, or None / "none" (in memory only).
@@ -36,11 +40,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from jax.sharding import Mesh
 
+from pask_jax.arguments import DEFAULT_PREP_WORKERS
 from pask_jax.checkpoint import Checkpoint
 from pask_jax.factory import make_engine
 from pask_jax.methods import METHODS
@@ -91,6 +97,7 @@ class LLM:
         grammar_backend: str = "outlines",
         prefill_chunk: int = PREFILL_CHUNK,
         grammar_cache_dir: str | Path | None = grammar_cache.AUTO,
+        prep_workers: int = DEFAULT_PREP_WORKERS,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
@@ -98,6 +105,8 @@ class LLM:
             raise ValueError(f"max_prefill_rows={max_prefill_rows} must be >= 1")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1")
+        if prep_workers < 0:
+            raise ValueError(f"prep_workers={prep_workers} must be >= 0")
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose from {', '.join(SCHEDULERS)}")
         if method.partition("@")[0] not in METHODS:
@@ -134,6 +143,8 @@ class LLM:
             num_groups=num_groups, use_kernel=use_kernel, overrides=method_overrides, prefill_chunk=prefill_chunk
         )
         self._engine: Engine | None = None
+        self.prep_workers = prep_workers
+        self._workers: ThreadPoolExecutor | None = None
 
     @property
     def model(self) -> Decoder:
@@ -167,11 +178,22 @@ class LLM:
             "policy": self.policy.content_hash() if self.policy is not None else None,
         }
 
-    def prepare(self, body: dict, timings: dict[str, float] | None = None) -> PreparedRequest:
+    def prepare(self, body: dict, timings: dict[str, float] | None = None, *, ahead: bool = False) -> PreparedRequest:
         """Validate, render, tokenize and compile one request body (RequestError / GrammarError if it cannot run);
-        each stage's seconds into `timings` when given (parse_s, then `RequestBuilder.prepare`'s)."""
+        each stage's seconds into `timings` when given (parse_s, then `RequestBuilder.prepare`'s). `ahead`: under
+        continuous batching with `prep_workers`, the grammar compiles on a host worker (the request returns at once;
+        a compile error comes back from `generate` in place of its completion)."""
         request = StageClock(timings)("parse_s", self.builder.parse, body)
-        return self.builder.prepare(request, timings)
+        return self.builder.prepare(request, timings, workers=self.workers if ahead else None)
+
+    @property
+    def workers(self) -> ThreadPoolExecutor | None:
+        """The host threads that compile grammars ahead (None: without `prep_workers`, or under static batching)."""
+        if self.prep_workers == 0 or self.scheduler != "continuous":
+            return None
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(self.prep_workers, thread_name_prefix="pask-jax-prep")
+        return self._workers
 
     def chat(self, requests: dict | Sequence[dict]) -> list[dict]:
         """Chat-completions bodies -> `chat.completion` objects, in order. A bad request raises, naming its index."""
@@ -179,7 +201,7 @@ class LLM:
         prepared = []
         for i, body in enumerate(bodies):
             try:
-                prepared.append(self.prepare(body))
+                prepared.append(self.prepare(body, ahead=True))
             except ValueError as e:
                 raise type(e)(f"request {i}: {e}") from None
         answers: list[dict | None] = [None] * len(prepared)
@@ -197,7 +219,7 @@ class LLM:
                 p.ids,
                 p.request.max_tokens,
                 SamplingConfig(temperature=p.request.temperature, top_p=p.request.top_p, seed=p.request.seed),
-                p.grammar is not None,
+                p.compiled is not None,
                 p.roles,
                 p.tools,
             )
@@ -220,24 +242,34 @@ class LLM:
         `max_batch` each, each within `kv_memory_bytes` (`pask_jax.runtime.batching.micro_batches`)."""
         return self.make_scheduler().micro_batches(self.jobs(prepared))
 
-    def generate(self, prepared: Sequence[PreparedRequest]) -> Iterator[tuple[list[int], list[dict | Exception]]]:
-        """Run prepared requests through the scheduler (`pask_jax.runtime.scheduler.Scheduler`): yields (indices,
+    def generate(
+        self, prepared: Sequence[PreparedRequest], scheduler: Scheduler | None = None
+    ) -> Iterator[tuple[list[int], list[dict | Exception]]]:
+        """Run prepared requests through `scheduler` (default: `make_scheduler()`): yields (indices,
         their completions) as they finish (continuous: one at a time; static: a micro-batch at a time). A request
-        whose cache alone exceeds `kv_memory_bytes` gets a RequestError in place of its completion."""
+        whose cache alone exceeds `kv_memory_bytes` gets a RequestError in place of its completion, one whose grammar
+        failed to compile on a worker its GrammarError."""
 
-        def constraint(indices: list[int]) -> TokenConstraint:
+        def constraint(indices: list[int]) -> TokenConstraint | Future[TokenConstraint]:
+            if len(indices) == 1:  # continuous batching: admitted when its grammar is compiled
+                return prepared[indices[0]].when_ready(lambda p: self.batch_constraint([p]))
             return self.batch_constraint([prepared[i] for i in indices])
 
-        for indices, results, created in self.make_scheduler().run(self.jobs(prepared), constraint):
-            completions = [
-                RequestError(str(r)) if isinstance(r, MemoryLimitError) else self.completion(prepared[i], r, created)
-                for i, r in zip(indices, results, strict=True)
-            ]
-            yield indices, completions
+        scheduler = scheduler or self.make_scheduler()
+        for indices, results, created in scheduler.run(self.jobs(prepared), constraint):
+            yield indices, [self._answer(prepared[i], r, created) for i, r in zip(indices, results, strict=True)]
+
+    def _answer(self, prepared: PreparedRequest, result: Generation | Exception, created: int) -> dict | Exception:
+        """A generation's completion, or the request's error (over the memory limit: a RequestError)."""
+        if isinstance(result, MemoryLimitError):
+            return RequestError(str(result))
+        if isinstance(result, Exception):
+            return result
+        return self.completion(prepared, result, created)
 
     def batch_constraint(self, batch: Sequence[PreparedRequest]) -> TokenConstraint:
         """The constraint of requests that are all grammar-constrained (by the builder's backend) or all free."""
-        vocab = self.engine.cfg.vocab_size
+        vocab = self.config.vocab_size  # not the engine's: a host worker may build a constraint before it exists
         if batch[0].grammar is not None:
             return self.builder.backend.constraint([p.grammar for p in batch], vocab)
         return FreeTextConstraint(len(batch), vocab, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)

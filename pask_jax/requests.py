@@ -19,6 +19,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 from pask_jax.models.chat_template import ChatTemplate
@@ -208,13 +209,16 @@ def parse_request(
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PreparedRequest:
-    """What the engine needs for one request."""
+    """What the engine needs for one request.
+
+    `compiled` is the grammar, or a Future of it while a host worker compiles it (`RequestBuilder.prepare` with
+    `workers`): `grammar` waits for it, `grammar_ready` says whether it would wait."""
 
     request: ChatRequest
     text: str  # the rendered prompt, ending with the assistant turn's header
     ids: list[int]
     roles: list[int]  # one role id per prompt token
-    grammar: Grammar | None  # None: free text; compiled by the builder's grammar backend
+    compiled: Grammar | Future[Grammar] | None  # None: free text; compiled by the builder's grammar backend
     tools: list[int] | None = None  # per prompt token, the grammar's tool it describes (None: no tool is described)
 
     @classmethod
@@ -224,12 +228,40 @@ class PreparedRequest:
         text: str,
         ids: list[int],
         labels: TokenLabels,
-        grammar: Grammar | None,
+        grammar: Grammar | Future[Grammar] | None,
+        function_names: Sequence[str] | None = None,
     ) -> PreparedRequest:
-        """From the prompt's token labels: tools numbered as the grammar's callable functions."""
-        names = grammar.function_names if grammar is not None else ()
-        tools = labels.tools_for(names) if labels.tool_names else None
+        """From the prompt's token labels: tools numbered as the grammar's callable functions (`function_names`, or
+        the compiled grammar's)."""
+        if function_names is None:
+            function_names = grammar.function_names if grammar is not None else ()
+        tools = labels.tools_for(tuple(function_names)) if labels.tool_names else None
         return cls(request, text, ids, labels.roles, grammar, tools)
+
+    @property
+    def grammar(self) -> Grammar | None:
+        """The compiled grammar (None: free text); waits for a worker still compiling it and raises its error."""
+        return self.compiled.result() if isinstance(self.compiled, Future) else self.compiled
+
+    @property
+    def grammar_ready(self) -> bool:
+        return not isinstance(self.compiled, Future) or self.compiled.done()
+
+    def when_ready(self, build: Callable[[PreparedRequest], T]) -> T | Future[T]:
+        """`build(self)` now if the grammar is compiled, else a Future of it, resolved (or failed with the compile's
+        error) when the grammar is."""
+        if self.grammar_ready:
+            return build(self)
+        built: Future[T] = Future()
+
+        def finish(_: Future) -> None:
+            try:
+                built.set_result(build(self))
+            except Exception as exc:  # the compile's GrammarError, reported where the request is admitted
+                built.set_exception(exc)
+
+        self.compiled.add_done_callback(finish)
+        return built
 
 
 class RequestBuilder:
@@ -272,20 +304,33 @@ class RequestBuilder:
                 f"{self.max_context} tokens"
             )
 
+    @staticmethod
+    def callable_tools(request: ChatRequest) -> list[dict]:
+        """The tools a request's grammar may call, in the order its called-tool indices count."""
+        if request.response_json or request.tool_choice == "none":
+            return []
+        return [t for t in request.tools if request.forced_tool in (None, t["name"])]
+
     def grammar(self, request: ChatRequest) -> Grammar | None:
         """The request's grammar, compiled by this builder's backend (None: free text)."""
         if request.response_json:
             return self.backend.compile_json(request.response_schema, self.tokenizer)
-        if not request.tools or request.tool_choice == "none":
+        if not request.constrained:
             return None
-        tools = [t for t in request.tools if request.forced_tool in (None, t["name"])]
         return self.backend.compile_calls(
-            tools, self.tokenizer, tool_choice=request.tool_choice, parallel=request.parallel_tool_calls
+            self.callable_tools(request),
+            self.tokenizer,
+            tool_choice=request.tool_choice,
+            parallel=request.parallel_tool_calls,
         )
 
-    def prepare(self, request: ChatRequest, timings: dict[str, float] | None = None) -> PreparedRequest:
+    def prepare(
+        self, request: ChatRequest, timings: dict[str, float] | None = None, *, workers: Executor | None = None
+    ) -> PreparedRequest:
         """Render with the checkpoint's chat template, tokenize, label prompt roles, compile the grammar; the seconds
-        of each stage into `timings` when given (render_s, tokenize_s, roles_s, grammar_s)."""
+        of each stage into `timings` when given (render_s, tokenize_s, roles_s, grammar_s). With `workers`, the
+        grammar (nearly all of a new tool list's host time) is compiled there: the request comes back at once, its
+        `compiled` a Future."""
         if self.template is None:
             raise RequestError("this model ships no chat template: give the checkpoint's tokenizer_config.json one")
         clock = StageClock(timings)
@@ -295,6 +340,9 @@ class RequestBuilder:
         ids = clock("tokenize_s", self.tokenizer.encode, text)
         self.check_length(ids, request.max_tokens)
         labels = clock("roles_s", token_labels, text, self.tokenizer, messages, tools)
+        if workers is not None and request.constrained:
+            names = [t["name"] for t in self.callable_tools(request)]
+            return PreparedRequest.labelled(request, text, ids, labels, workers.submit(self.grammar, request), names)
         return PreparedRequest.labelled(request, text, ids, labels, clock("grammar_s", self.grammar, request))
 
 

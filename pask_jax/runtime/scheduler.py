@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import jax
 import numpy as np
@@ -49,14 +50,20 @@ class SequenceRequest:
     """One sequence for the batcher: prompt token ids (their roles, and the constraint's tool each describes), its
     own token limit and constraint.
 
-    `constraint` covers this sequence alone (a batch of one, e.g. `GrammarConstraint([grammar], vocab)`).
+    `constraint` covers this sequence alone (a batch of one, e.g. `GrammarConstraint([grammar], vocab)`), or is a
+    Future of it while the host still prepares it (its grammar compiling on a worker): the sequence is admitted once
+    it is done.
     """
 
     ids: Sequence[int]
     max_new_tokens: int
     roles: Sequence[int] | None = None
-    constraint: TokenConstraint | None = None
+    constraint: TokenConstraint | Future[TokenConstraint] | None = None
     tools: Sequence[int] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return not isinstance(self.constraint, Future) or self.constraint.done()
 
 
 def row_shape(engine: Engine, requests: Sequence[SequenceRequest], rows: int) -> BatchShape:
@@ -91,6 +98,11 @@ class ContinuousBatcher:
     group is padded to its longest prompt; where prefill throughput does not grow with rows (XLA:CPU: 70 padded
     tokens/s at 1 row and at 8), 1 wastes nothing; an accelerator gains from larger groups. `overlap_grammar=None`
     takes `default_overlap_grammar()`.
+
+    A request whose constraint is still a Future (its grammar compiling on a host worker) waits while the rows run:
+    free rows take the waiting requests that are ready, in order, so one slow compile holds back no other request;
+    only when no row is live does the batcher wait for the next preparation to finish (`prep_wait_s`: the seconds
+    the device waited on the host). A preparation that failed is yielded as its exception in place of a Generation.
     """
 
     def __init__(
@@ -110,6 +122,7 @@ class ContinuousBatcher:
         if overlap_grammar is None:
             overlap_grammar = default_overlap_grammar()
         self.overlap_grammar, self.max_prefill_rows = overlap_grammar, max_prefill_rows
+        self.prep_wait_s = 0.0
 
     def check(self, requests: Sequence[SequenceRequest]) -> None:
         """ValueError naming the first request the engine cannot run (before anything is computed)."""
@@ -160,9 +173,10 @@ class ContinuousBatcher:
             bits = np.full((width, mask_words(engine.cfg.vocab_size)), -1, np.int32)
             engine.decode_step(caches, StepInput.first(width), bits, jax.random.key(0), self.sampling)
 
-    def run(self, requests: Sequence[SequenceRequest]) -> Iterator[tuple[int, Generation]]:
-        """Yields (request index, Generation) as each sequence ends; requests are admitted in order. A request's
-        `ttft_s` counts from the start of the run (time spent waiting for a row included)."""
+    def run(self, requests: Sequence[SequenceRequest]) -> Iterator[tuple[int, Generation | Exception]]:
+        """Yields (request index, Generation) as each sequence ends (a failed preparation: its exception); requests
+        are admitted in order among those ready. A request's `ttft_s` counts from the start of the run (time spent
+        waiting for a row or for its preparation included)."""
         if not requests:
             return
         self.check(requests)
@@ -176,7 +190,14 @@ class ContinuousBatcher:
         )  # fmt: skip
         waiting = collections.deque(range(len(requests)))
         while waiting or rows.live:
-            admitted = [(waiting.popleft(), slot) for slot in rows.free_slots[: len(waiting)]]
+            if not rows.live:
+                self._wait_for_one(requests, waiting)
+            ready = [i for i in waiting if requests[i].ready][: len(rows.free_slots)]
+            for i in ready:
+                waiting.remove(i)
+            failed = {i: error for i in ready if (error := _failure(requests[i].constraint)) is not None}
+            yield from failed.items()
+            admitted = list(zip([i for i in ready if i not in failed], rows.free_slots, strict=False))
             for chunk in admission_chunks(
                 [len(requests[i].ids) for i, _ in admitted], engine.data_size, self.max_prefill_rows
             ):
@@ -186,13 +207,22 @@ class ContinuousBatcher:
                 rows.admit(
                     [i for i, _ in group], [slot for _, slot in group], [len(r.ids) for r in admitted_requests],
                     [r.max_new_tokens for r in admitted_requests], logits, kept,
-                    [r.constraint for r in admitted_requests], start,
+                    [_resolved(r.constraint) for r in admitted_requests], start,
                 )  # fmt: skip
             yield from rows.release()
-            if waiting and rows.free_slots or not rows.live:
-                continue  # a row ended at its first token: refill it before the step
+            if not rows.live or rows.free_slots and any(requests[i].ready for i in waiting):
+                continue  # a row ended at its first token, or a preparation finished: fill the rows before the step
             caches = rows.step(caches)
             yield from rows.release()
+
+    def _wait_for_one(self, requests: Sequence[SequenceRequest], waiting: collections.deque) -> None:
+        """With no row live, wait (the device idle) until a waiting request's preparation is done."""
+        pending = [requests[i].constraint for i in waiting]
+        if not pending or not all(isinstance(c, Future) and not c.done() for c in pending):
+            return
+        start = time.perf_counter()
+        wait(pending, return_when=FIRST_COMPLETED)
+        self.prep_wait_s += time.perf_counter() - start
 
     def _prefill_into(
         self, caches: list, group: Sequence[SequenceRequest], slots: Sequence[int], shape: BatchShape
@@ -217,6 +247,15 @@ class ContinuousBatcher:
         return dataclasses.replace(
             shape, rows=rows, padded_rows=padded_batch(rows, self.engine.data_size), prompt_bucket=bucket
         )
+
+
+def _resolved(constraint: TokenConstraint | Future[TokenConstraint] | None) -> TokenConstraint | None:
+    return constraint.result() if isinstance(constraint, Future) else constraint
+
+
+def _failure(constraint: TokenConstraint | Future[TokenConstraint] | None) -> BaseException | None:
+    """The error of a preparation that failed (a done Future), else None."""
+    return constraint.exception() if isinstance(constraint, Future) else None
 
 
 def admission_chunks(lengths: Sequence[int], data_size: int = 1, max_rows: int | None = None) -> list[list[int]]:
@@ -265,6 +304,7 @@ class Scheduler:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self._engine, self.mode, self.max_batch, self.kv_memory_bytes = engine, mode, max_batch, kv_memory_bytes
         self.overlap_grammar, self.max_prefill_rows = overlap_grammar, max_prefill_rows
+        self.prep_wait_s = 0.0  # continuous: the seconds its batchers waited for preparations with no row live
 
     @property
     def engine(self) -> Engine:
@@ -304,7 +344,8 @@ class Scheduler:
     ) -> Iterator[tuple[list[int], list[Generation | MemoryLimitError], int]]:
         """Yields (job indices, their generations or errors, the Unix second they date from: a static batch's start,
         a continuous job's end) as they end. `constraint(indices)`: the constraint of those jobs' rows, built just
-        before they run (continuous: one job at a time; static: the batch)."""
+        before they run (continuous: one job at a time, or a Future of it that admits the job when done; static: the
+        batch)."""
         if self.mode == "continuous":
             yield from self._continuous(jobs, constraint)
             return
@@ -349,3 +390,4 @@ class Scheduler:
                 ]
                 for k, generation in batcher.run(sequences):
                     yield [wave[k]], [generation], int(time.time())
+                self.prep_wait_s += batcher.prep_wait_s

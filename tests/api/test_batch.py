@@ -13,6 +13,7 @@ import pytest
 
 from pask_jax.batch_file import answered_keys, read_input, run_batch
 from pask_jax.requests import RequestError, parse_request
+from pask_jax.structure.schema import GrammarError
 
 
 def _line(custom_id, content="hi", **body):
@@ -32,7 +33,8 @@ class CountingLLM:
         self.die_after_batches = die_after_batches
         self.max_batch = max_batch
 
-    def prepare(self, body):
+    def prepare(self, body, ahead=False):
+        assert ahead  # grammars compile on the LLM's host workers while earlier requests run
         request = parse_request(body)
         if request.messages[0]["content"] == "too long":
             raise RequestError("the prompt has 99999 tokens; it exceeds the model's context")
@@ -49,6 +51,8 @@ class CountingLLM:
     @staticmethod
     def _completion(request):
         text = request.messages[0]["content"]
+        if text == "uncompilable":  # its grammar failed on a host worker: the error in place of its completion
+            return GrammarError("function 'f': outlines-core cannot compile the tool-call grammar")
         return {
             "id": f"chatcmpl-{text}",
             "object": "chat.completion",
@@ -77,13 +81,14 @@ def test_every_kind_of_bad_line_gets_an_error_record_and_the_rest_go_on(tmp_path
         _line("bad-tool", tools=[{"type": "function", "function": {"description": "no name"}}]),
         _line("bad-field", n=3),
         _line("long", "too long"),
+        _line("grammar", "uncompilable"),
         _line("ok-2", "second"),
     ]
     inp, out = _write(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     llm = CountingLLM()
     summary = run_batch(lambda: llm, inp, out)
     records = {(r["custom_id"], r["error"]["line"] if r["error"] else None): r for r in _records(out)}
-    assert llm.generated == ["first", "second"]
+    assert llm.generated == ["first", "uncompilable", "second"]
     assert records[("ok-1", None)]["response"]["body"]["choices"][0]["message"]["content"] == "first"
     assert records[("ok-1", None)]["response"]["status_code"] == 200 and records[("ok-1", None)]["error"] is None
     codes = {key: r["error"]["code"] for key, r in records.items() if r["error"]}
@@ -95,12 +100,14 @@ def test_every_kind_of_bad_line_gets_an_error_record_and_the_rest_go_on(tmp_path
         ("bad-tool", 6): "invalid_request",
         ("bad-field", 7): "invalid_request",
         ("long", 8): "invalid_request",
+        ("grammar", 9): "invalid_request",
     }
     assert "name" in records[("bad-tool", 6)]["error"]["message"]
     assert "n=3" in records[("bad-field", 7)]["error"]["message"]
     assert all(r["response"] is None for r in records.values() if r["error"])
-    assert (summary.completed, summary.failed, summary.requests) == (2, 7, 9)
-    assert "7 failed" in summary.line()
+    assert "cannot compile" in records[("grammar", 9)]["error"]["message"]
+    assert (summary.completed, summary.failed, summary.requests) == (2, 8, 10)
+    assert "8 failed" in summary.line()
 
 
 def test_resume_after_a_kill_loses_and_repeats_nothing(tmp_path: Path):

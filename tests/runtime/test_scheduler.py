@@ -4,6 +4,9 @@ every method: tests/methods/test_methods.py.)"""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 import jax
 import pytest
 from flax import nnx
@@ -21,6 +24,8 @@ from pask_jax.runtime.scheduler import (
     row_shape,
     rows_for_memory,
 )
+from pask_jax.structure.constraint import FreeTextConstraint
+from pask_jax.structure.schema import GrammarError
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 120], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [9] * 20, [3, 4]]
@@ -70,6 +75,37 @@ def test_requests_wait_for_a_row_and_a_warm_run_compiles_nothing(model: Decoder)
     shuffled = [requests[i] for i in (4, 2, 0, 3, 1)]  # other arrivals, rows refilled at other steps
     assert len(list(batcher.run(shuffled))) == len(requests)
     assert _compiles[0] == before
+
+
+def test_a_request_is_admitted_once_its_preparation_is_done(model: Decoder):
+    """A constraint still compiling holds back its own request only; a failed one comes back as its error; the batcher
+    waits (and counts the wait) only when no row is live."""
+    engine = Engine(model, length_buckets=BUCKETS)
+
+    def free() -> FreeTextConstraint:
+        return FreeTextConstraint(1, 256, 256, [255])
+
+    reference = dict(ContinuousBatcher(engine, rows=2).run([SequenceRequest(p, 4, constraint=free()) for p in PROMPTS]))
+    pending, failed = Future(), Future()
+    failed.set_exception(GrammarError("function 'f': bad schema"))
+    constraints = [pending, free(), failed, free(), free()]
+    batcher = ContinuousBatcher(engine, rows=2)
+    run = batcher.run([SequenceRequest(p, 4, constraint=c) for p, c in zip(PROMPTS, constraints, strict=True)])
+    first, second = next(run), next(run)
+    assert first[0] == 2 and isinstance(first[1], GrammarError)  # refused at admission, before any step
+    assert second[0] in (1, 3)  # request 0 did not block the rows: later ready requests ran first
+    pending.set_result(free())
+    rest = dict([second, *run])
+    assert sorted(rest) == [0, 1, 3, 4]
+    assert {i: g.tokens for i, g in rest.items()} == {i: reference[i].tokens for i in rest}
+    assert batcher.prep_wait_s == 0.0  # a row was live whenever request 0 was not ready
+
+    late = Future()
+    threading.Timer(0.3, lambda: late.set_result(free())).start()
+    alone = ContinuousBatcher(engine, rows=2)
+    [(index, generation)] = alone.run([SequenceRequest(PROMPTS[0], 4, constraint=late)])
+    assert index == 0 and generation.tokens == reference[0].tokens
+    assert alone.prep_wait_s > 0.0  # nothing else to run: the device waited on the host
 
 
 @pytest.mark.parametrize("overlap, prefill_rows", [(True, None), (False, 1)])

@@ -1,7 +1,8 @@
 """Host seconds per request against device seconds per request: when request preparation bounds a batch.
 
     pask-jax bench prep [--model qwen2.5-coder-0.5b] [--bfcl-items 4] [--backends outlines,llguidance]
-                        [--max-tokens 64] [--accelerator-speedup 100] [--out results/bench_prep.json]
+                        [--max-tokens 64] [--accelerator-speedup 100] [--max-batch 8]
+                        [--stream-workers 0,2] [--stream-repeats 2] [--out results/bench_prep.json]
 
 Two request mixes: BFCL-like (the first `--bfcl-items` evaluation items of simple_python and of multiple, as a user
 sends them: `bfcl_request_body`, a call required) and user-like (examples/requests.jsonl: tool calls, JSON answers,
@@ -19,6 +20,14 @@ host's cores). Per request: host_s = cold preparation + mask_s; the ratio host_s
 pipelined server's time the host would take; preparation bounds a pipelined server once device_s per request falls
 below host_s. The ratio at `--accelerator-speedup` divides this machine's device_s by that factor: an assumption to
 read the table with (a TPU or GPU runs the same steps that many times faster), not a measurement.
+
+Stream (`--stream-workers 0,2`): both mixes together, every grammar cold, served as `LLM.chat` serves them
+(continuous batching, `--max-batch` rows), once per value of `prep_workers`, `--stream-repeats` times interleaved
+(after one untimed run that compiles the steps). 0: each request is compiled when it is prepared, all before the
+first step; N: the grammars compile on N host threads while the rows run, each request admitted once its grammar is
+done. `device_wait_s`: the seconds the device had nothing to run because of the host: the preparation before the
+first step plus the batcher's waits with no row live (`Scheduler.prep_wait_s`); its share of the stream's wall
+seconds is the fraction the device waits on the host.
 """
 
 from __future__ import annotations
@@ -102,6 +111,50 @@ def run_batch(llm, prepared: list) -> dict:
     }
 
 
+def serve_stream(llm, bodies: list[dict]) -> dict:
+    """Every body prepared cold (ahead on the LLM's `prep_workers`, if any) and served through its scheduler ->
+    wall seconds, the seconds the device waited on the host, output tokens."""
+    forget_compiled_grammars()
+    start = time.perf_counter()
+    prepared = [llm.prepare(body, ahead=True) for body in bodies]
+    before_first_step_s = time.perf_counter() - start
+    scheduler = llm.make_scheduler()
+    tokens = 0
+    for _, completions in llm.generate(prepared, scheduler):
+        tokens += sum(c["usage"]["completion_tokens"] for c in completions)
+    wall_s = time.perf_counter() - start
+    wait_s = before_first_step_s + scheduler.prep_wait_s
+    return {
+        "wall_s": round(wall_s, 3),
+        "device_wait_s": round(wait_s, 3),
+        "device_wait_fraction": round(wait_s / wall_s, 4),
+        "tokens": tokens,
+    }
+
+
+def measure_stream(llm, bodies: list[dict], workers: Sequence[int], repeats: int) -> dict:
+    """The stream once untimed, then per `prep_workers` value `repeats` timed runs, interleaved -> per value the
+    runs and their medians."""
+    llm.prep_workers = max(workers)
+    serve_stream(llm, bodies)  # compiles every step shape the stream takes
+    runs: dict[int, list[dict]] = {w: [] for w in workers}
+    for _ in range(repeats):
+        for w in workers:
+            llm.prep_workers = w
+            runs[w].append(serve_stream(llm, bodies))
+            print(f"  prep_workers={w}: {runs[w][-1]}", flush=True)
+    forget_compiled_grammars()
+    return {
+        str(w): {
+            "runs": rows,
+            "median": {
+                k: statistics.median(r[k] for r in rows) for k in ("wall_s", "device_wait_s", "device_wait_fraction")
+            },
+        }
+        for w, rows in runs.items()
+    }
+
+
 def _mean(rows: list[dict], key: str) -> float:
     return statistics.fmean(row.get(key, 0.0) for row in rows)
 
@@ -169,12 +222,19 @@ def run(args: argparse.Namespace) -> dict:
 
     machine = machine_info()
     mixes = {"bfcl": bfcl_bodies(args.bfcl_items, args.max_tokens), "user": user_bodies(args.requests, args.max_tokens)}
-    results, vocabulary_s = measure(
-        lambda backend: LLM(args.model, method="full", grammar_backend=backend),
-        args.backends,
-        mixes,
-        args.accelerator_speedup,
-    )
+    llms: dict[str, LLM] = {}
+
+    def make_llm(backend: str) -> LLM:
+        llms[backend] = LLM(args.model, method="full", grammar_backend=backend, max_batch=args.max_batch)
+        return llms[backend]
+
+    results, vocabulary_s = measure(make_llm, args.backends, mixes, args.accelerator_speedup)
+    stream = {}
+    for backend, llm in llms.items() if args.stream_workers else ():
+        print(f"{backend} stream of {sum(map(len, mixes.values()))} requests, cold grammars:", flush=True)
+        stream[backend] = measure_stream(
+            llm, [b for bodies in mixes.values() for b in bodies], args.stream_workers, args.stream_repeats
+        )
     result = {
         "benchmark": "prep",
         "model": args.model,
@@ -182,6 +242,8 @@ def run(args: argparse.Namespace) -> dict:
         "accelerator_speedup": args.accelerator_speedup,
         "vocabulary_s": round(vocabulary_s, 3),
         "backends": results,
+        "max_batch": args.max_batch,
+        "stream": stream,
         "machine": machine,
         "code": code_state(),
     }
@@ -203,6 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=100.0,
         help="the assumed device speed-up over this machine for the projected host / device ratio",
     )
+    p.add_argument("--max-batch", type=int, default=8, help="rows of the batch and of the stream")
+    p.add_argument(
+        "--stream-workers", default="0,2", help="comma-separated prep_workers values for the stream ('': no stream)"
+    )
+    p.add_argument("--stream-repeats", type=int, default=2, help="timed runs of the stream per prep_workers value")
     p.add_argument("--out", type=Path, help="results JSON")
     return p
 
@@ -218,8 +285,14 @@ def main(argv: list[str] | None = None) -> dict:
             grammar_backend(backend)
         except argparse.ArgumentTypeError as exc:
             parser.error(f"--backends: {exc}")
-    if args.bfcl_items < 1 or args.max_tokens < 1 or args.accelerator_speedup <= 0:
-        parser.error("--bfcl-items and --max-tokens must be at least 1, --accelerator-speedup positive")
+    if args.bfcl_items < 1 or args.max_tokens < 1 or args.max_batch < 1 or args.accelerator_speedup <= 0:
+        parser.error("--bfcl-items, --max-tokens and --max-batch must be at least 1, --accelerator-speedup positive")
+    try:
+        args.stream_workers = tuple(int(w) for w in args.stream_workers.split(",") if w.strip())
+    except ValueError:
+        parser.error(f"--stream-workers {args.stream_workers!r}: comma-separated integers")
+    if any(w < 0 for w in args.stream_workers) or args.stream_repeats < 1:
+        parser.error("--stream-workers must be >= 0 and --stream-repeats at least 1")
     if not args.requests.is_file():
         parser.error(f"--requests {args.requests}: no such file")
     return run(args)
