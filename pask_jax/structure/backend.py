@@ -75,9 +75,10 @@ class GrammarBackend(abc.ABC):
         tool_choice: str = "required",
         parallel: bool = True,
         whitespace: str | None = None,
+        framing: str = "tool_call",
     ) -> Grammar:
-        """Function dicts (``parse_tools``) -> the grammar of a turn that calls them (``"auto"``: or a text answer);
-        GrammarError naming the function whose schema cannot be compiled."""
+        """Function dicts (``parse_tools``) -> the grammar of a turn that calls them (``"auto"``: or a text answer)
+        in ``framing`` (``regex.FRAMINGS``); GrammarError naming the function whose schema cannot be compiled."""
 
     @abc.abstractmethod
     def compile_json(self, schema: dict | None, tokenizer: Tokenizer, *, whitespace: str | None = None) -> Grammar:
@@ -107,10 +108,13 @@ class OutlinesBackend(GrammarBackend):
         for function in functions:
             call_schema(function, loosen=self.loosen)
 
-    def compile_calls(self, functions, tokenizer, *, tool_choice="required", parallel=True, whitespace=None):
+    def compile_calls(
+        self, functions, tokenizer, *, tool_choice="required", parallel=True, whitespace=None, framing="tool_call"
+    ):
         return compile_grammar(
-            functions, tokenizer, tool_choice=tool_choice, parallel=parallel, whitespace=whitespace, loosen=self.loosen
-        )
+            functions, tokenizer, tool_choice=tool_choice, parallel=parallel, whitespace=whitespace, loosen=self.loosen,
+            framing=framing,
+        )  # fmt: skip
 
     def compile_json(self, schema, tokenizer, *, whitespace=None):
         return compile_json_grammar(schema, tokenizer, whitespace=whitespace, loosen=self.loosen)
@@ -126,9 +130,11 @@ class GuidanceBackend(GrammarBackend):
     def check_tools(self, functions):
         """Nothing to check early: llguidance judges tool schemas when it compiles them."""
 
-    def compile_calls(self, functions, tokenizer, *, tool_choice="required", parallel=True, whitespace=None):
+    def compile_calls(
+        self, functions, tokenizer, *, tool_choice="required", parallel=True, whitespace=None, framing="tool_call"
+    ):
         return compile_guidance_grammar(
-            functions, tokenizer, tool_choice=tool_choice, parallel=parallel, whitespace=whitespace
+            functions, tokenizer, tool_choice=tool_choice, parallel=parallel, whitespace=whitespace, framing=framing
         )
 
     def compile_json(self, schema, tokenizer, *, whitespace=None):
@@ -159,10 +165,12 @@ class AutoBackend(GrammarBackend):
     def check_tools(self, functions):
         self.choose(lambda: [call_schema(f) for f in functions])
 
-    def compile_calls(self, functions, tokenizer, *, tool_choice="required", parallel=True, whitespace=None):
+    def compile_calls(
+        self, functions, tokenizer, *, tool_choice="required", parallel=True, whitespace=None, framing="tool_call"
+    ):
         backend = self.choose(lambda: [call_schema(f) for f in functions])
         return backend.compile_calls(
-            functions, tokenizer, tool_choice=tool_choice, parallel=parallel, whitespace=whitespace
+            functions, tokenizer, tool_choice=tool_choice, parallel=parallel, whitespace=whitespace, framing=framing
         )
 
     def compile_json(self, schema, tokenizer, *, whitespace=None):
@@ -183,9 +191,14 @@ class AutoBackend(GrammarBackend):
 
 
 _OUTLINES, _GUIDANCE = OutlinesBackend(), GuidanceBackend()
-BACKENDS: dict[str, GrammarBackend] = {
-    b.name: b for b in (_OUTLINES, OutlinesBackend(loosen=True), _GUIDANCE, AutoBackend(_OUTLINES, _GUIDANCE))
-}
+_AUTO = AutoBackend(_OUTLINES, _GUIDANCE)
+BACKENDS: dict[str, GrammarBackend] = {b.name: b for b in (_OUTLINES, OutlinesBackend(loosen=True), _GUIDANCE, _AUTO)}
+
+
+def grammar_constraint(grammars: Sequence[Grammar], vocab_size: int) -> TokenConstraint:
+    """The constraint of rows decoding under ``grammars``, whichever backend compiled each (each backend's
+    constraint over its own rows): what code that did not compile the grammars uses (calibration, the harnesses)."""
+    return _AUTO.constraint(grammars, vocab_size)
 
 
 def backend_for(name: str) -> GrammarBackend:

@@ -6,7 +6,9 @@ millisecond compiles (docs/results/schemas.md measures both engines). The turn i
 calls are ``%json`` schemas, one per tool, in the forms ``regex.py`` defines:
 
 - ``tool_calls``: ``<tool_call>\\n{call}\\n</tool_call>`` blocks, parallel ones separated by ``\\n`` (a ``\\n`` may end
-  the last), then the end of turn;
+  the last where ``<tool_call>`` is a special token), then the end of turn; where the tokenizer has no
+  ``<tool_call>`` special tokens, the markers are their text, spelled with ordinary tokens. ``json_fence`` framing:
+  a ```` ```json ```` fence holding the calls as JSON lines, whitespace inside the JSON as ``regex.FENCE_WHITESPACE``;
 - ``auto``: those, a bare call, a call in a json fence, or a text answer that does not open with ``{`` or a
   backtick (``regex.FREE_TEXT``: the same steering rule);
 - ``json``: one JSON value of the response schema (any object for ``json_object``).
@@ -15,7 +17,7 @@ Whitespace between JSON tokens is ours (``[ ]?``) and object keys come in the sc
 admit the same outputs wherever both compile a schema. PASK's roles do not depend on the backend: each token's bytes
 go through the byte-level lexer (``lexer.py``) that our grammar's role tables are built from, and the called tool
 is read from the call's bytes, so a request gets the same roles, and the same schema-conditioned release, from
-either backend. Only ``tool_call`` framing with ``<tool_call>`` special tokens is supported here.
+either backend.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.structure.constraint import RowConstraint
 from pask_jax.structure.lexer import LEX_AUTO, LEX_CALLS, LEX_JSON, LexState, lex_token
-from pask_jax.structure.regex import TIGHT_WHITESPACE, check_choice
+from pask_jax.structure.regex import FENCE_WHITESPACE, TIGHT_WHITESPACE, check_choice
 from pask_jax.structure.roles import Role
 from pask_jax.structure.schema import GrammarError
 from pask_jax.structure.vocabulary import CALL_CLOSE, GrammarVocabulary, grammar_vocabulary
@@ -131,22 +133,27 @@ def compile_guidance_grammar(
     tool_choice: str = "required",
     parallel: bool = True,
     whitespace: str | None = None,
+    framing: str = "tool_call",
 ) -> GuidanceGrammar:
     """Function dicts (``parse_tools``) -> the llguidance grammar of a turn of calls (``"auto"``: or a text)."""
     start = time.perf_counter()
     vocab = grammar_vocabulary(tokenizer)
-    check_choice("tool_call", tool_choice, vocab)
-    if not vocab.atomic_calls:
-        raise GrammarError("grammar_backend 'llguidance' needs a tokenizer with <tool_call> special tokens")
+    check_choice(framing, tool_choice, vocab)
     llg = _llguidance()
     lltok = _lltokenizer(tokenizer, vocab)
-    ws = TIGHT_WHITESPACE if whitespace is None else whitespace
-    special = tokenizer.special_tokens
+    fenced = framing == "json_fence"
+    ws = whitespace if whitespace is not None else FENCE_WHITESPACE if fenced else TIGHT_WHITESPACE
     rules = [f"call_{i}: {_schema_rule(_call_schema(f), ws)}" for i, f in enumerate(functions)]
     for i, (function, rule) in enumerate(zip(functions, rules, strict=True)):
         _check(llg, lltok, f"start: call_{i}\n{rule}", f"tools[{i}] ({function['name']!r})")
-    block = f'<[{special["<tool_call>"]}]> "\\n" call "\\n" <[{special["</tool_call>"]}]>'
-    calls = 'block ("\\n" block)* "\\n"?' if parallel else 'block "\\n"?'
+    if fenced:  # the calls as JSON lines in one fence (regex.tool_call_regex)
+        lines = 'call ("\\n" call)*' if parallel else "call"
+        block, calls = f'"```json\\n" {lines} "\\n```"', "block"
+    else:
+        call_open, call_close = _markers(tokenizer, vocab)
+        block = f'{call_open} "\\n" call "\\n" {call_close}'
+        # as our regexes: a "\\n" may end parallel calls only where the host restarts at an atomic <tool_call>
+        calls = 'block ("\\n" block)*' + (' "\\n"?' if vocab.atomic_calls else "") if parallel else "block"
     start_rule = {"required": calls, "auto": f'{calls} | call | "```json\\n" call "\\n```" | {_TEXT}'}[tool_choice]
     grammar = "\n".join(
         [f"start: {start_rule}", f"block: {block}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
@@ -156,6 +163,15 @@ def compile_guidance_grammar(
     names = tuple(f["name"] for f in functions)
     compile_s = time.perf_counter() - start
     return GuidanceGrammar(grammar, kind, names, parallel, vocab, lltok, compile_s)
+
+
+def _markers(tokenizer: Tokenizer, vocab: GrammarVocabulary) -> tuple[str, str]:
+    """``<tool_call>`` and ``</tool_call>`` in the grammar: their special tokens, or their text where the tokenizer
+    has no such tokens (as ``vocabulary.grammar_vocabulary`` decides)."""
+    names = ("<tool_call>", "</tool_call>")
+    if vocab.atomic_calls:
+        return tuple(f"<[{tokenizer.special_tokens[name]}]>" for name in names)
+    return tuple(json.dumps(name) for name in names)
 
 
 def compile_guidance_json_grammar(

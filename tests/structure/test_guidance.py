@@ -3,6 +3,7 @@ enforced by its masks, its own JSON Schema coverage, and `LLM` end to end (argum
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -101,6 +102,35 @@ def test_the_same_roles_and_called_tools_as_our_grammar(qwen_tok, tool_choice: s
     assert _walk(GuidanceConstraint([guided], VOCAB), ids) == ours
     expected = {i for i, f in enumerate((WEATHER, ADD)) if f'"name": "{f["name"]}"' in text}
     assert set(ours[1]) - {NO_TOOL} == expected  # the release sees every call's tool, from both backends
+
+
+@pytest.fixture(scope="module")
+def plain_tok(qwen_tok):
+    """The Qwen tokenizer as a model without <tool_call> special tokens has it: the call markers are text."""
+    plain = copy.copy(qwen_tok)
+    plain.special_tokens = {
+        k: v for k, v in qwen_tok.special_tokens.items() if k not in ("<tool_call>", "</tool_call>")
+    }
+    plain._all_bytes = None
+    return plain
+
+
+PLAIN = f"{WEATHER_CALL}\n<tool_call>\n{CALL}\n</tool_call><|im_end|>"  # the markers spelled as text
+FENCED = f"```json\n{json.dumps(json.loads(CALL), indent=2)}\n{CALL}\n```<|im_end|>"  # pretty-printed, then a line
+
+
+@pytest.mark.parametrize("framing", ["json_fence", "text markers"])
+def test_the_other_framings_get_the_same_roles_as_our_grammar(qwen_tok, plain_tok, framing: str):
+    tok, framing, text = (qwen_tok, framing, FENCED) if framing == "json_fence" else (plain_tok, "tool_call", PLAIN)
+    ids = tok.encode(text)
+    ours = _walk(GrammarConstraint([compile_grammar([WEATHER, ADD], tok, framing=framing)], VOCAB), ids)
+    guided = compile_guidance_grammar([WEATHER, ADD], tok, framing=framing)
+    assert _walk(GuidanceConstraint([guided], VOCAB), ids) == ours
+    assert not _accepts(guided, tok.encode(text.replace('"b": 2.5', '"b": "x"')))  # the schema still holds
+    single = compile_guidance_grammar([WEATHER, ADD], tok, framing=framing, parallel=False)
+    assert not _accepts(single, ids)  # two calls
+    with pytest.raises(GrammarError, match="tool_choice 'auto' needs"):
+        compile_guidance_grammar([ADD], tok, framing=framing, tool_choice="auto")
 
 
 def test_a_response_schema_gets_the_same_roles(qwen_tok):

@@ -15,11 +15,13 @@ twice with each stage timed (`LLM.prepare(body, timings)`: parse_s, render_s, to
 
 The cold-prepared requests of each mix then run through the LLM's scheduler (full KV, greedy, `--max-tokens`;
 timed the second time, the first compiling the steps): `mask_s` is the host seconds the grammar constraints took
-(masks and advances, every step), `device_s` the rest of the run's wall seconds (on XLA:CPU the "device" shares the
-host's cores). Per request: host_s = cold preparation + mask_s; the ratio host_s / device_s says how much of a
-pipelined server's time the host would take; preparation bounds a pipelined server once device_s per request falls
-below host_s. The ratio at `--accelerator-speedup` divides this machine's device_s by that factor: an assumption to
-read the table with (a TPU or GPU runs the same steps that many times faster), not a measurement.
+(masks and advances, every step), `constraint_s` the seconds building each row's constraint (llguidance builds its
+parser there, when the matcher is made), `device_s` the rest of the run's wall seconds (on XLA:CPU the "device"
+shares the host's cores). Per request: host_s = cold preparation + constraint_s + mask_s; the ratio host_s /
+device_s says how much of a pipelined server's time the host would take; preparation bounds a pipelined server once
+device_s per request falls below host_s. The ratio at `--accelerator-speedup` divides this machine's device_s by that
+factor: an assumption to read the table with (a TPU or GPU runs the same steps that many times faster), not a
+measurement.
 
 Stream (`--stream-workers 0,2`): both mixes together, every grammar cold, served as `LLM.chat` serves them
 (continuous batching, `--max-batch` rows), once per value of `prep_workers`, `--stream-repeats` times interleaved
@@ -91,11 +93,14 @@ def prepare_all(llm, bodies: list[dict]) -> tuple[list, list[dict], list[dict]]:
 
 
 def run_batch(llm, prepared: list) -> dict:
-    """The prepared requests through the scheduler once -> wall, host mask and device seconds, tokens."""
-    constraints = []
+    """The prepared requests through the scheduler once -> wall, host constraint (building each row's matcher or
+    guide), host mask and device seconds, tokens."""
+    constraints, constraint_s = [], [0.0]
 
     def constraint(indices: list[int]):
+        start = time.perf_counter()
         made = llm.batch_constraint([prepared[i] for i in indices])
+        constraint_s[0] += time.perf_counter() - start
         constraints.append(made)
         return made
 
@@ -105,8 +110,9 @@ def run_batch(llm, prepared: list) -> dict:
     mask_s = sum(getattr(c, "mask_s", 0.0) + getattr(c, "advance_s", 0.0) for c in constraints)
     return {
         "wall_s": wall_s,
+        "constraint_s": constraint_s[0],
         "mask_s": mask_s,
-        "device_s": wall_s - mask_s,
+        "device_s": wall_s - mask_s - constraint_s[0],
         "tokens": sum(len(r.tokens) for r in results),
     }
 
@@ -162,13 +168,14 @@ def _mean(rows: list[dict], key: str) -> float:
 def summarize(cold: list[dict], warm: list[dict], batch: dict, speedup: float) -> dict:
     n = len(cold)
     prep_cold = _mean(cold, "total_s")
-    host_s = prep_cold + batch["mask_s"] / n
+    host_s = prep_cold + (batch["constraint_s"] + batch["mask_s"]) / n
     device_s = batch["device_s"] / n
     return {
         "requests": n,
         "cold": {stage: round(_mean(cold, stage), 5) for stage in (*STAGES, "total_s")},
         "warm": {stage: round(_mean(warm, stage), 5) for stage in (*STAGES, "total_s")},
         "cold_over_warm": round(prep_cold / max(_mean(warm, "total_s"), 1e-9), 1),
+        "constraint_s_per_request": round(batch["constraint_s"] / n, 5),
         "mask_s_per_request": round(batch["mask_s"] / n, 5),
         "device_s_per_request": round(device_s, 5),
         "host_s_per_request": round(host_s, 5),
@@ -207,7 +214,8 @@ def measure(
             results[backend][mix] = summary | {"per_request": {"cold": cold, "warm": warm}}
             print(
                 f"{backend:<11}{mix:<5} {summary['requests']:3d} requests: prep cold {summary['cold']['total_s']:.4f}s "
-                f"(grammar {summary['cold']['grammar_s']:.4f}s), warm {summary['warm']['total_s']:.4f}s, masks "
+                f"(grammar {summary['cold']['grammar_s']:.4f}s), warm {summary['warm']['total_s']:.4f}s, constraint "
+                f"{summary['constraint_s_per_request']:.4f}s, masks "
                 f"{summary['mask_s_per_request']:.4f}s, device {summary['device_s_per_request']:.3f}s per request; "
                 f"host / device {summary['host_over_device']:.3f} here, "
                 f"{summary['host_over_device_at_speedup']:.2f} at {speedup:g}x",
