@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pask_jax.arguments import (
     AUTO_POLICY,
+    DEFAULT_GRAMMAR_BACKEND,
     DEFAULT_PREP_WORKERS,
     GRAMMAR_CACHE_OFF,
     LOW_STORAGE_NAMES,
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--grammar-backend",
         type=grammar_backend,
-        default="outlines",
+        default=DEFAULT_GRAMMAR_BACKEND,
         help="outlines: our schema translation + outlines-core (a schema constraint it does not enforce is refused); "
         "outlines-loose: the same, such constraints dropped; llguidance: llguidance's JSON Schema compiler; auto: "
         "outlines where it enforces every keyword, else llguidance",

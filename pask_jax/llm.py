@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 from jax.sharding import Mesh
 
-from pask_jax.arguments import DEFAULT_PREP_WORKERS
+from pask_jax.arguments import DEFAULT_GRAMMAR_BACKEND, DEFAULT_PREP_WORKERS
 from pask_jax.checkpoint import Checkpoint
 from pask_jax.factory import make_engine
 from pask_jax.methods import METHODS
@@ -94,7 +94,7 @@ class LLM:
         scheduler: str = "continuous",
         overlap_grammar: bool | None = None,
         max_prefill_rows: int | None = None,
-        grammar_backend: str = "outlines",
+        grammar_backend: str = DEFAULT_GRAMMAR_BACKEND,
         prefill_chunk: int = PREFILL_CHUNK,
         grammar_cache_dir: str | Path | None = grammar_cache.AUTO,
         prep_workers: int = DEFAULT_PREP_WORKERS,

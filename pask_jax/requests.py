@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
+from pask_jax.arguments import DEFAULT_GRAMMAR_BACKEND
 from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.models.tokenizer import Tokenizer
 from pask_jax.structure import parse_tools
@@ -280,7 +281,7 @@ class RequestBuilder:
         template: ChatTemplate | None,
         *,
         max_context: int | None = None,
-        grammar_backend: str = "outlines",
+        grammar_backend: str = DEFAULT_GRAMMAR_BACKEND,
     ):
         self.backend: GrammarBackend = backend_for(grammar_backend)
         self.tokenizer = tokenizer

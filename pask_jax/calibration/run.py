@@ -53,7 +53,7 @@ from pask_jax.requests import PreparedRequest
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.sampling import SamplingConfig
 from pask_jax.storage import BLOCK_FORMATS
-from pask_jax.structure import GrammarConstraint
+from pask_jax.structure.backend import grammar_constraint
 from pask_jax.structure.roles import TAXONOMY_VERSION, num_roles
 
 DEFAULT_LEVELS = (0.0, 0.25, 0.5, 0.75)
@@ -110,7 +110,7 @@ def example_from_prepared(
     (ValueError if it accepts none)."""
     ids, roles = np.asarray(prepared.ids, np.int32), np.asarray(prepared.roles, np.int32)
     for attempt, tokens in enumerate(np.asarray(r, np.int32) for r in renderings):
-        constraint = GrammarConstraint([prepared.grammar], vocab_size)
+        constraint = grammar_constraint([prepared.grammar], vocab_size)
         allowed, gold_roles = [], []
         try:
             for token in tokens:
@@ -127,7 +127,7 @@ def example_from_prepared(
 def own_call(engine: Engine, prompt: np.ndarray, grammar, max_new_tokens: int = OWN_CALL_TOKENS) -> np.ndarray:
     """i32[T]: the model's own greedy answer to the prompt (i32[P]) under `grammar` at full KV, end of turn included
     (ValueError if it does not finish within `max_new_tokens`)."""
-    constraint = GrammarConstraint([grammar], engine.cfg.vocab_size)
+    constraint = grammar_constraint([grammar], engine.cfg.vocab_size)
     (gen,) = engine.generate([prompt], SamplingConfig(max_new_tokens=max_new_tokens), constraint=constraint)
     if gen.finish_reason != "stop":
         raise ValueError(f"own call unfinished after {max_new_tokens} tokens")

@@ -14,8 +14,10 @@ from pathlib import Path
 from pask_jax.arguments import (
     METHOD_NAMES,
     PLAIN_PASK,
+    PROTOCOL_GRAMMAR_BACKEND,
     UsageError,
     budget_list,
+    grammar_backend,
     input_file,
     int_at_least,
     int_list,
@@ -102,6 +104,7 @@ def cmd_bfcl(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         framing=args.framing,
+        grammar_backend=args.grammar_backend,
         prompt=args.prompt,
         split=args.split,
         split_rule=args.split_rule,
@@ -174,7 +177,8 @@ def _run_workload(args: argparse.Namespace, cfg, workload, run: Callable, error:
         raise error(f"{args.model} ships no chat template, which the prompts are rendered with")
     out = Path(args.out)
     niah.read_results(out, workload.run_config(cfg, args.model, template.name, method_config, policies), kind)
-    prompts = workload.build_prompts(RequestBuilder(checkpoint.tokenizer, template), cfg)  # tokens only: no model yet
+    builder = RequestBuilder(checkpoint.tokenizer, template, grammar_backend=PROTOCOL_GRAMMAR_BACKEND)
+    prompts = workload.build_prompts(builder, cfg)  # tokens only: no model yet
     enable_compile_cache()
     result = run(
         checkpoint.weights(),
@@ -331,6 +335,12 @@ def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
     p.add_argument("--batch-size", type=int_at_least(1), default=8)
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=256)
     p.add_argument("--framing", default="tool_call", choices=["tool_call", "json_fence"])
+    p.add_argument(
+        "--grammar-backend",
+        type=grammar_backend,
+        default=PROTOCOL_GRAMMAR_BACKEND,
+        help="the grammar the calls are decoded under (default: the protocol's, ours, as every committed number)",
+    )
     p.add_argument(
         "--prompt",
         default="bfcl",

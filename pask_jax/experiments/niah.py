@@ -63,7 +63,8 @@ from pask_jax.policy import ModelFingerprint, PersistencePolicy
 from pask_jax.requests import PreparedRequest, RequestBuilder, parse_request
 from pask_jax.runtime.sampling import SamplingConfig
 from pask_jax.runtime.shapes import DEFAULT_LENGTH_BUCKETS
-from pask_jax.structure import FreeTextConstraint, GrammarConstraint
+from pask_jax.structure import FreeTextConstraint
+from pask_jax.structure.backend import grammar_constraint
 
 FORMAT = "pask-niah-v1"
 NEEDLE = "The special magic number for {key} is {number}."
@@ -600,7 +601,7 @@ def run_niah(
                     batch = pending[start : start + cfg.batch_size]
                     wanted = [r for r in runs if any(r in missing(p) for p in batch)]
                     constraints = [
-                        GrammarConstraint([p.prepared.grammar for p in batch], vocab)
+                        grammar_constraint([p.prepared.grammar for p in batch], vocab)
                         if mode == "json"
                         else FreeTextConstraint(len(batch), vocab, tokenizer.vocab_size, tokenizer.eos_token_ids)
                         for _, mode in wanted

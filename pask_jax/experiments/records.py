@@ -56,7 +56,7 @@ from pask_jax.requests import PreparedRequest, RequestBuilder, parse_request
 from pask_jax.runtime.rows import Generation
 from pask_jax.runtime.sampling import SamplingConfig
 from pask_jax.runtime.shapes import length_bucket
-from pask_jax.structure import GrammarConstraint
+from pask_jax.structure.backend import grammar_constraint
 
 FORMAT = "pask-records-v1"
 SPLITS = ("dev", "evaluation")
@@ -510,7 +510,7 @@ def run_records(
                 [p.prepared.ids for p in batch],
                 SamplingConfig(max_new_tokens=cfg.max_new_tokens),
                 prompt_roles=[p.prepared.roles for p in batch],
-                constraints=[GrammarConstraint(grammars, model.config.vocab_size) for _ in wanted],
+                constraints=[grammar_constraint(grammars, model.config.vocab_size) for _ in wanted],
             )
             for (method, budget), gens in zip(wanted, outputs, strict=True):
                 for prompt, gen in zip(batch, gens, strict=True):

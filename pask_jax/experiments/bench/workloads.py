@@ -15,6 +15,7 @@ import dataclasses
 
 import numpy as np
 
+from pask_jax.arguments import PROTOCOL_GRAMMAR_BACKEND
 from pask_jax.experiments import bfcl
 from pask_jax.experiments.bfcl.long_context import long_context_prompt
 from pask_jax.experiments.bfcl.prompt import bfcl_prompt, bfcl_python_functions, format_tool_prompt, prepare_tool_prompt
@@ -80,7 +81,7 @@ def _from_texts(name: str, description: str, tokenizer: Tokenizer, entries: list
 
     Every prompt is the item's question (`item["question"][0]`) with the listed tools, in BFCL's fixed prompt.
     """
-    builder, rows = RequestBuilder(tokenizer, None), []
+    builder, rows = RequestBuilder(tokenizer, None, grammar_backend=PROTOCOL_GRAMMAR_BACKEND), []
     for item, text, tools in entries:
         own = bfcl_python_functions(item["function"])
         prepared = prepare_tool_prompt(builder, item["question"][0], tools, grammar_functions=own)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pask_jax.arguments import PROTOCOL_GRAMMAR_BACKEND
 from pask_jax.calibration.run import Example, calibrate_examples, example_from_prepared, own_call
 from pask_jax.experiments.bfcl import (
     CATEGORIES,
@@ -96,7 +97,9 @@ def prepare_example(
     The gold: `gold` token ids if given; else the model's own call (`own_call`) when an `engine` is given; else the
     canonical rendering of the ground truth `answer`."""
     messages, tools = item_prompt(item, tokenizer, context, layout, "calibration")
-    prepared = prepare_tool_prompt(RequestBuilder(tokenizer, None), messages, tools)
+    prepared = prepare_tool_prompt(
+        RequestBuilder(tokenizer, None, grammar_backend=PROTOCOL_GRAMMAR_BACKEND), messages, tools
+    )
     if gold is not None:
         renderings = [gold]
     elif engine is not None:

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from pask_jax.arguments import PROTOCOL_GRAMMAR_BACKEND
 from pask_jax.experiments import bfcl
 from pask_jax.experiments.bench.machine import write_json
 from pask_jax.experiments.bfcl.long_context import LAYOUTS, item_of_prompt, item_prompt
@@ -41,7 +42,7 @@ from pask_jax.requests import PreparedRequest, RequestBuilder
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.sampling import SamplingConfig
 from pask_jax.runtime.shapes import DEFAULT_LENGTH_BUCKETS
-from pask_jax.structure import GrammarConstraint
+from pask_jax.structure.backend import grammar_constraint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,7 @@ class EvalConfig:
     batch_size: int = 8
     max_new_tokens: int = 256
     framing: str = "tool_call"
+    grammar_backend: str = PROTOCOL_GRAMMAR_BACKEND  # ours: the grammar every committed BFCL number was decoded under
     prompt: str = "bfcl"  # or "bfcl_parallel" / "template" (`prompt.PROMPTS`): the parallel-call framings
     num_groups: int = 4
     split: str = "evaluation"  # or "dev": dev items, for tuning
@@ -173,7 +175,7 @@ def run_category(
             continue
         batch = [prepared[i] for i in idx]
         grammars = [p.grammar for p in batch]
-        constraints = [GrammarConstraint(grammars, engine.cfg.vocab_size) for engine in engines.values()]
+        constraints = [grammar_constraint(grammars, engine.cfg.vocab_size) for engine in engines.values()]
         outputs = generate_shared(
             list(engines.values()),
             [p.ids for p in batch],
@@ -268,9 +270,12 @@ def read_results(path: Path | None, model_name: str, config: dict) -> tuple[list
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a BFCL results file ({exc}); choose another --out") from None
     if isinstance(old_config, dict):  # a file recording every section compares on the ones its methods read
-        old_config = old_config | {
-            "method_config": used_sections(old_config.get("method_config", {}), old_config.get("methods", ()))
-        }
+        # (files from before the grammar backend was a setting were decoded under the protocol's)
+        old_config = (
+            {"grammar_backend": PROTOCOL_GRAMMAR_BACKEND}
+            | old_config
+            | {"method_config": used_sections(old_config.get("method_config", {}), old_config.get("methods", ()))}
+        )
     differ = ["model"] if old_model != model_name else []
     differ += sorted(k for k in set(old_config) | set(config) if old_config.get(k) != config.get(k))
     if differ:
@@ -314,7 +319,7 @@ def run_bfcl(
         raise ValueError("prompt 'template' needs the checkpoint's chat template")
     config = run_config(cfg, method_config, policies)
     runs, under_way = read_results(out, model_name, config)
-    builder = RequestBuilder(tokenizer, chat_template)
+    builder = RequestBuilder(tokenizer, chat_template, grammar_backend=cfg.grammar_backend)
     engines = build_engines(model, tokenizer, cfg, method_config, policies)
 
     def result(partial: dict | None = None) -> dict:

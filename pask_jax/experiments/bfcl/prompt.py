@@ -37,7 +37,6 @@ from typing import Any
 
 from pask_jax.experiments.bfcl.dialect import bfcl_function
 from pask_jax.requests import DEFAULT_MAX_TOKENS, ChatRequest, PreparedRequest, RequestBuilder, parse_request
-from pask_jax.structure import compile_grammar
 from pask_jax.structure.prompt_roles import token_labels
 
 TOOLS_HEADER = (
@@ -150,7 +149,7 @@ def prepare_tool_prompt(
     request = ChatRequest(
         messages=tuple(messages), tools=tools, tool_choice="required", max_tokens=max_tokens, temperature=0.0
     )
-    grammar = compile_grammar(list(tools), builder.tokenizer, tool_choice="required", framing=framing)
+    grammar = builder.backend.compile_calls(list(tools), builder.tokenizer, tool_choice="required", framing=framing)
     return PreparedRequest.labelled(request, text, ids, labels, grammar)
 
 
