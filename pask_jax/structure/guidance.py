@@ -13,11 +13,12 @@ calls are ``%json`` schemas, one per tool, in the forms ``regex.py`` defines:
   backtick (``regex.FREE_TEXT``: the same steering rule);
 - ``json``: one JSON value of the response schema (any object for ``json_object``).
 
-Whitespace between JSON tokens is ours (``[ ]?``) and object keys come in the schema's order, so both backends
-admit the same outputs wherever both compile a schema. PASK's roles do not depend on the backend: each token's bytes
-go through the byte-level lexer (``lexer.py``) that our grammar's role tables are built from, and the called tool
-is read from the call's bytes, so a request gets the same roles, and the same schema-conditioned release, from
-either backend.
+Whitespace between JSON tokens is ours (``[ ]?``), object keys come in the schema's order and an object that
+declares ``properties`` gets those keys only (``declared_keys_only``, our translation's rule), so both backends admit
+the same outputs wherever both compile a schema (objects without ``properties`` aside: ours keeps their values
+shallow). PASK's roles do not depend on the backend: each token's bytes go through the byte-level lexer
+(``lexer.py``) that our grammar's role tables are built from, and the called tool is read from the call's bytes, so a
+request gets the same roles, and the same schema-conditioned release, from either backend.
 """
 
 from __future__ import annotations
@@ -100,9 +101,35 @@ def _lltokenizer(tokenizer: Tokenizer, vocab: GrammarVocabulary):
         return _TOKENIZERS[tokenizer]
 
 
+# where subschemas sit: one schema, a list of them, or a mapping of names to them (``allOf`` stays as written)
+_ONE_SCHEMA = ("items", "additionalProperties", "contains")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def declared_keys_only(schema: dict) -> dict:
+    """In place: every object that declares ``properties`` generates those keys only (``additionalProperties``
+    false), as our translation does (``schema.py``: a narrowing, every output still valid; a model under a small
+    cache otherwise invents keys the function does not declare). An object with an ``allOf`` is left as written,
+    branches included: closing a part would refuse the keys the other parts declare."""
+    if not isinstance(schema, dict) or "allOf" in schema:
+        return schema
+    for key in _ONE_SCHEMA:
+        declared_keys_only(schema.get(key))
+    for key in _SCHEMA_LISTS:
+        for sub in schema.get(key) if isinstance(schema.get(key), list) else ():
+            declared_keys_only(sub)
+    for key in _SCHEMA_MAPS:
+        for sub in schema.get(key).values() if isinstance(schema.get(key), dict) else ():
+            declared_keys_only(sub)
+    if isinstance(schema.get("properties"), dict):
+        schema["additionalProperties"] = False
+    return schema
+
+
 def _schema_rule(schema: dict, whitespace: str) -> str:
-    """``%json`` of ``schema`` with our whitespace between its tokens."""
-    schema = copy.deepcopy(schema)
+    """``%json`` of ``schema`` (objects closed: ``declared_keys_only``) with our whitespace between its tokens."""
+    schema = declared_keys_only(copy.deepcopy(schema))
     schema["x-guidance"] = {"whitespace_pattern": whitespace, "whitespace_flexible": False}
     return f"%json {json.dumps(schema)}"
 

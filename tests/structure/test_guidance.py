@@ -17,7 +17,12 @@ from pask_jax.models.chat_template import ChatTemplate
 from pask_jax.requests import RequestError
 from pask_jax.structure import GrammarConstraint, GrammarError, compile_grammar, compile_json_grammar
 from pask_jax.structure.backend import BACKENDS, backend_for
-from pask_jax.structure.guidance import GuidanceConstraint, compile_guidance_grammar, compile_guidance_json_grammar
+from pask_jax.structure.guidance import (
+    GuidanceConstraint,
+    compile_guidance_grammar,
+    compile_guidance_json_grammar,
+    declared_keys_only,
+)
 from pask_jax.structure.roles import NO_TOOL
 
 VOCAB = 151936  # the Qwen2.5 models' embedding rows (past the tokenizer's ids: padding)
@@ -219,3 +224,20 @@ def test_llm_answers_under_either_backend(tiny_qwen_vocab, qwen_tok):
     jsonschema.validate(json.loads(replied["choices"][0]["message"]["content"]), OBJECT)
     with pytest.raises(ValueError, match="grammar_backend"):
         LLM(tiny_qwen_vocab, tokenizer=qwen_tok, chat_template=template, method="full", grammar_backend="xgrammar")
+
+
+def test_objects_that_declare_properties_get_those_keys_only_as_under_ours(qwen_tok):
+    """JSON Schema leaves an object open when `additionalProperties` is absent; both backends generate the declared
+    keys only (a narrowing: every output is still valid), so a model cannot invent an argument the tool lacks."""
+    nested = {"type": "object", "properties": {"limit": {"type": "integer"}}}
+    fetch = {"name": "fetch", "description": "", "parameters": {"type": "object", "properties": {"params": nested}}}
+    grammar = compile_guidance_grammar([fetch], qwen_tok, parallel=False)
+
+    def turn(arguments: str) -> list[int]:
+        return qwen_tok.encode(f'<tool_call>\n{{"name": "fetch", "arguments": {arguments}}}\n</tool_call><|im_end|>')
+
+    assert _accepts(grammar, turn('{"params": {"limit": 5}}'))
+    assert not _accepts(grammar, turn('{"params": {"limit": 5}, "page": 2}'))  # an undeclared argument
+    assert not _accepts(grammar, turn('{"params": {"limit": 5, "pod": "x"}}'))  # an undeclared key, nested
+    with_parts = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]}
+    assert declared_keys_only(copy.deepcopy(with_parts)) == with_parts  # closing a part would refuse the others' keys
