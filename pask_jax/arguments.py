@@ -25,7 +25,7 @@ LOW_STORAGE_NAMES = ("kivi2", "kivi4")  # `calibrate --low-storage`: the block f
 # = structure.backend.BACKENDS: ours (schema translation + outlines-core; "-loose": unenforced constraints dropped,
 # not refused), llguidance's compiler, or per request ours where it enforces every keyword, else llguidance
 GRAMMAR_BACKENDS = ("outlines", "outlines-loose", "llguidance", "auto")
-DEFAULT_GRAMMAR_BACKEND = "outlines"  # what `LLM`, `pask-jax run` and calibration on your own data compile with
+DEFAULT_GRAMMAR_BACKEND = "llguidance"  # what `LLM`, `pask-jax run` and calibration on your own data compile with
 # the evaluation protocol's (BFCL, NIAH, records, their calibration and the benches' workloads): every committed
 # number was decoded under it, so it stays fixed whatever the default is
 PROTOCOL_GRAMMAR_BACKEND = "outlines"

@@ -19,12 +19,13 @@ CPU; a given model instance keeps its own unless one is named). `mesh`: a (`data
 (`pask_jax.models.sharding.make_mesh`); the weights load straight onto it.
 `policy`: "auto" (PASK only) finds the shipped policy that fits the model by fingerprint; a directory loads that
 policy (refused if it fits another model); None runs PASK uncalibrated (recency with sinks).
-`grammar_backend`: "outlines" (ours: the schema translation of `pask_jax.structure.schema` and outlines-core; a
-schema with a constraint it does not enforce, such as `multipleOf`, is refused, naming the keyword), "outlines-loose"
-(the same, with such constraints dropped: the grammar then allows values the schema refuses), "llguidance"
-(`pask_jax.structure.guidance`: llguidance's JSON Schema compiler; `pip install llguidance==1.9.1`) or "auto"
-(outlines where it enforces every keyword of a request's schemas, llguidance where it does not), chosen by name in
-`pask_jax.structure.backend.backend_for`; PASK's roles and its release of unchosen tools are the same under each.
+`grammar_backend`: "llguidance" (the default: `pask_jax.structure.guidance`, llguidance's JSON Schema compiler, a
+new tool list in milliseconds), "outlines" (ours: the schema translation of `pask_jax.structure.schema` and
+outlines-core, about a second per new tool list; a schema with a constraint it does not enforce, such as
+`multipleOf`, is refused, naming the keyword), "outlines-loose" (the same, with such constraints dropped: the grammar
+then allows values the schema refuses) or "auto" (outlines where it enforces every keyword of a request's schemas,
+llguidance where it does not), chosen by name in `pask_jax.structure.backend.backend_for`; the outputs they allow,
+PASK's roles and its release of unchosen tools are the same under each where both compile a schema.
 `prep_workers`: host threads that compile request grammars (nearly all of a new tool list's preparation) while the
 device runs, under continuous batching: a request is admitted to a row once its grammar is compiled, so the device
 waits on the host only when no row has work (0: each request is compiled when it is prepared, before anything runs;

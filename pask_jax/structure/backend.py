@@ -9,8 +9,9 @@ the ``TokenConstraint`` that decodes under it; the request side (``RequestBuilde
 - ``"outlines-loose"``: the same, but the constraints our translation does not enforce (LOOSENED in
   ``schema.SCHEMA_KEYWORDS``: ``multipleOf``, ``uniqueItems``, other formats, overlapping ``oneOf``) are dropped
   rather than refused: the explicit opt-in to a grammar that allows values the schema refuses;
-- ``"llguidance"``: llguidance's JSON Schema compiler (``guidance.py``: ``GuidanceGrammar``, ``GuidanceConstraint``;
-  llguidance is imported only when a grammar is compiled); it judges tool schemas when it compiles them;
+- ``"llguidance"`` (``arguments.DEFAULT_GRAMMAR_BACKEND``): llguidance's JSON Schema compiler (``guidance.py``:
+  ``GuidanceGrammar``, ``GuidanceConstraint``; llguidance is imported only when a grammar is compiled); it judges
+  tool schemas when it compiles them;
 - ``"auto"``: ``"outlines"`` for a turn whose schemas our translation enforces exactly, ``"llguidance"`` for one
   it cannot (``schema.Unenforceable``): every keyword enforced by one or the other; a batch may hold grammars of
   both (``constraint.SplitConstraint``). Where a schema needs llguidance and it is not installed, the error says so.

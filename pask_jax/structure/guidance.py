@@ -1,8 +1,8 @@
 """The llguidance grammar backend: the same turns as ``grammar.py``, with llguidance's JSON Schema compiler.
 
-``grammar_backend="llguidance"`` (optional: ``pip install llguidance==1.9.1``) compiles a request's tools or response
-schema with llguidance instead of our schema-to-regex translation and outlines-core: wider JSON Schema coverage and
-millisecond compiles (docs/results/schemas.md measures both engines). The turn is written as a Lark grammar whose
+``grammar_backend="llguidance"`` (the default) compiles a request's tools or response schema with llguidance instead
+of our schema-to-regex translation and outlines-core: wider JSON Schema coverage and millisecond compiles
+(docs/results/schemas.md measures both engines). The turn is written as a Lark grammar whose
 calls are ``%json`` schemas, one per tool, in the forms ``regex.py`` defines:
 
 - ``tool_calls``: ``<tool_call>\\n{call}\\n</tool_call>`` blocks, parallel ones separated by ``\\n`` (a ``\\n`` may end

@@ -13,6 +13,7 @@ import pytest
 from conftest import synthetic_stats
 
 from pask_jax import cli
+from pask_jax.arguments import PROTOCOL_GRAMMAR_BACKEND
 from pask_jax.calibration.compiler import compile_policy
 from pask_jax.experiments import commands, niah
 from pask_jax.experiments.bench.machine import write_json
@@ -28,7 +29,7 @@ ROOT = Path(__file__).parents[2]
 @pytest.fixture(scope="module")
 def builder(qwen_tok) -> RequestBuilder:
     template = ChatTemplate((DATA / "qwen2.5_instruct.jinja").read_text(), eos_token="<|im_end|>", name="qwen2.5")
-    return RequestBuilder(qwen_tok, template)
+    return RequestBuilder(qwen_tok, template, grammar_backend=PROTOCOL_GRAMMAR_BACKEND)  # as the experiment's
 
 
 def _haystack_without_needle(prompt: niah.NiahPrompt) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pask_jax import cli
+from pask_jax.arguments import PROTOCOL_GRAMMAR_BACKEND
 from pask_jax.experiments import commands, records
 from pask_jax.experiments.bench.machine import write_json
 from pask_jax.models.chat_template import ChatTemplate
@@ -24,7 +25,7 @@ SHORT = 34  # dev items 34 and 35 have the shortest prompts near the start (7 an
 @pytest.fixture(scope="module")
 def builder(qwen_tok) -> RequestBuilder:
     template = ChatTemplate((DATA / "qwen2.5_instruct.jinja").read_text(), eos_token="<|im_end|>", name="qwen2.5")
-    return RequestBuilder(qwen_tok, template)
+    return RequestBuilder(qwen_tok, template, grammar_backend=PROTOCOL_GRAMMAR_BACKEND)  # as the experiment's
 
 
 def test_items_are_a_function_of_their_seed_and_the_splits_never_meet():

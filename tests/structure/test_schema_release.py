@@ -19,7 +19,8 @@ from pask_jax.requests import RequestBuilder, parse_request
 from pask_jax.runtime.engine import Engine
 from pask_jax.runtime.sampling import mask_words
 from pask_jax.runtime.step import MethodInputs, StepInput
-from pask_jax.structure import GrammarConstraint, Role
+from pask_jax.structure import Role
+from pask_jax.structure.backend import grammar_constraint
 from pask_jax.structure.roles import NO_TOOL
 
 DATA = Path(__file__).parents[1] / "data"
@@ -71,7 +72,7 @@ def test_prompt_tokens_carry_the_tool_they_describe(builder, qwen_tok):
 
 def test_the_constraint_reads_the_called_tool_per_call(builder, qwen_tok):
     prepared = builder.prepare(parse_request(request([WEATHER, TIME], tool_choice="required")))
-    constraint = GrammarConstraint([prepared.grammar], qwen_tok.vocab_size)
+    constraint = grammar_constraint([prepared.grammar], qwen_tok.vocab_size)
     calls = [("get_time", {"zone": "Europe/Paris"}), ("get_weather", {"city": "Paris"})]
     text = "\n".join(
         f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>" for name, args in calls
@@ -176,7 +177,7 @@ def test_release_ranks_unchosen_entries_below_every_level():
 def test_a_call_written_as_text_under_auto_gets_the_call_roles(builder, qwen_tok):
     prepared = builder.prepare(parse_request(request([WEATHER, TIME])))  # tool_choice defaults to "auto"
     assert prepared.grammar.kind == "auto"
-    constraint = GrammarConstraint([prepared.grammar], qwen_tok.vocab_size)
+    constraint = grammar_constraint([prepared.grammar], qwen_tok.vocab_size)
     text = 'Sure:\n```json\n{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}\n```\nDone.'
     by_role: dict[int, str] = {}
     for token in qwen_tok.encode(text + "<|im_end|>"):

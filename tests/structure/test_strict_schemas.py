@@ -26,7 +26,6 @@ from pask_jax.structure.schema import LOOSENED, SCHEMA_KEYWORDS, Unenforceable
 from pask_jax.structure.schema_rewrite import enforced_schema
 
 VOCAB = 151936  # the Qwen2.5 models' embedding rows
-HAS_LLGUIDANCE = importlib.util.find_spec("llguidance") is not None
 # One tiny schema per LOOSENED constraint: (what the error names, the schema, a value it refuses that dropping the
 # constraint lets through, whether llguidance enforces it). Formats: one llguidance knows, one it does not.
 LOOSENED_CASES = {
@@ -85,7 +84,6 @@ def test_the_opt_in_compiles_and_drops_the_constraint(case):
     assert byte_accepts(schema, refused_value, loosen=True)  # what the opt-in means: the value gets through
 
 
-@pytest.mark.skipif(not HAS_LLGUIDANCE, reason="llguidance is not installed")
 @pytest.mark.parametrize("case", sorted(LOOSENED_CASES))
 def test_auto_gives_a_loosened_constraint_to_llguidance(case, qwen_tok):
     """llguidance enforces it (and refuses the value), or refuses the schema, as our error message says."""
@@ -115,10 +113,10 @@ def test_the_backends_as_a_request_builder_parses_tools(qwen_tok):
     tools = [{"type": "function", "function": {"name": "f", "parameters": nested}}]
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
     with pytest.raises(RequestError, match=r"tools: function 'f', schema at '#/properties/n': keyword 'multipleOf'"):
-        RequestBuilder(qwen_tok, None).parse(body)  # the default: refused when parsed, before any compile
+        RequestBuilder(qwen_tok, None, grammar_backend="outlines").parse(body)  # refused when parsed, before a compile
     assert RequestBuilder(qwen_tok, None, grammar_backend="outlines-loose").parse(body).tools
-    if HAS_LLGUIDANCE:
-        assert RequestBuilder(qwen_tok, None, grammar_backend="auto").parse(body).tools
+    assert RequestBuilder(qwen_tok, None).parse(body).tools  # the default, llguidance, enforces it
+    assert RequestBuilder(qwen_tok, None, grammar_backend="auto").parse(body).tools
 
 
 def test_a_response_schema_is_refused_before_the_compile(qwen_tok, monkeypatch):
@@ -140,7 +138,6 @@ def test_auto_without_llguidance_says_what_to_install(monkeypatch):
         auto.check_tools([{"name": "f", "parameters": parameters}])
 
 
-@pytest.mark.skipif(not HAS_LLGUIDANCE, reason="llguidance is not installed")
 def test_auto_decodes_a_batch_of_both_backends_as_each_alone(qwen_tok):
     auto = B.backend_for("auto")
     weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
