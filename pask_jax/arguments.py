@@ -26,8 +26,8 @@ LOW_STORAGE_NAMES = ("kivi2", "kivi4")  # `calibrate --low-storage`: the block f
 # not refused), llguidance's compiler, or per request ours where it enforces every keyword, else llguidance
 GRAMMAR_BACKENDS = ("outlines", "outlines-loose", "llguidance", "auto")
 DEFAULT_GRAMMAR_BACKEND = "llguidance"  # what `LLM`, `pask-jax run` and calibration on your own data compile with
-# the evaluation protocol's (BFCL, NIAH, records, their calibration and the benches' workloads): every committed
-# number was decoded under it, so it stays fixed whatever the default is
+# the evaluation protocol's (the experiments, their calibration and the benches' workloads): every committed number
+# was decoded under it, so it stays fixed whatever the default is
 PROTOCOL_GRAMMAR_BACKEND = "outlines"
 DEFAULT_PREP_WORKERS = 2  # = llm.LLM's: host threads compiling grammars while the device runs
 
