@@ -125,6 +125,8 @@ class PaskKV(KVMethod):
     fill_window: bool = False  # with actions: prefill leaves the highest-ranked entries of any tier in the window
 
     def __post_init__(self) -> None:
+        for table in ("floor", "priority", "retain", "action"):  # a method config gives lists: hashable rows
+            object.__setattr__(self, table, tuple(map(tuple, getattr(self, table))))
         if self.rank not in RANKS:
             raise ValueError(f"PASK rank must be one of {RANKS}, not {self.rank!r}")
         if self.pooling not in POOLINGS:
@@ -159,14 +161,14 @@ class PaskKV(KVMethod):
     @classmethod
     def from_policy(cls, policy: PersistencePolicy, budget: float, **overrides) -> PaskKV:
         """The method under `policy`'s table for `budget`; its precisions (LOW, HIGH) those the policy's statistics
-        were measured at, unless `overrides` name them."""
+        were measured at, unless `overrides` name them (or replace a table: a dev variant's own `action`)."""
         t = policy.table(budget)
         groups = layer_groups(policy.num_layers, policy.groups)
         measured = {}  # the precisions the actions were compiled for
         if t.action is not None and policy.stats is not None:
             high = getattr(policy.stats, "high_storage", None) or "bf16"  # statistics older than HIGH measurements
             measured = {"low_storage": policy.stats.low_storage, "high_storage": high}
-        return cls(
+        tables = dict(
             floor=tuple(map(tuple, t.floor.tolist())),
             priority=tuple(map(tuple, t.priority.tolist())),
             retain=tuple(map(tuple, t.retain.tolist())),
@@ -175,8 +177,8 @@ class PaskKV(KVMethod):
             budget=t.budget,
             release_window=policy.release_window,
             action=() if t.action is None else tuple(map(tuple, t.action.tolist())),
-            **measured | overrides,
         )
+        return cls(**tables | measured | overrides)  # an `action` table in `overrides` replaces the policy's
 
     def storage(self, budget: float, head_dim: int) -> Storage | None:
         """With actions: full-precision slots (HIGH) and a block pool at `low_storage` (LOW); with `two_pools`, a

@@ -17,6 +17,7 @@ from conftest import synthetic_stats
 from flax import nnx
 
 from pask_jax.calibration.compiler import compile_policy
+from pask_jax.methods import make_method
 from pask_jax.methods.pask import PaskKV
 from pask_jax.models.decoder import Decoder, ModelConfig
 from pask_jax.policy import (
@@ -644,6 +645,15 @@ def test_precision_policy_saves_as_v2_and_loads(tmp_path: Path):
     synthetic_calibration().save(tmp_path / "p" / "stats.json")
     with pytest.raises(PolicyError, match="lack task_error_low.*remove it"):
         PersistencePolicy.load(tmp_path / "p")
+
+
+def test_a_method_config_action_table_replaces_the_policys():
+    """A dev variant's own actions (a method-config section gives lists) over a policy's floors and priorities."""
+    policy = compile_policy(low_calibration(), [0.33], fits=FITS, entry_bytes=BYTES)
+    own = [[RETAIN_HIGH if r == Role.USER_TEXT else RETAIN_LOW] * G for r in range(R)]
+    method = make_method("pask", {"action": own}, policy=policy, budget=0.33)
+    assert method.action == tuple(map(tuple, own)) != PaskKV.from_policy(policy, 0.33).action
+    assert method.floor == PaskKV.from_policy(policy, 0.33).floor and hash(method) is not None
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
