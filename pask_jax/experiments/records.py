@@ -15,11 +15,15 @@ records it already wrote, or mangles a field it copied, shows it.
 - **The prompt** is one user message (``INSTRUCTION``, ``ANSWER_SCHEMA`` as JSON, the manifest) in the checkpoint's
   chat template; the answer is decoded under ``ANSWER_SCHEMA``'s grammar (a ``response_format`` json_schema, as
   `pask-jax run` decodes one), whose parser states give PASK the roles of the generated tokens.
-- **Scoring is exact.** The answer is parsed; a record is correct when every field equals the gold record's (numbers
-  by value, booleans only as booleans). Answer and gold records are matched in order: the longest common subsequence
-  of equal records, so a skipped or extra record costs itself, not the records after it. Per item: correct records,
-  record precision / recall / F1, exact (every gold record, in order, nothing else), valid JSON and schema-valid
-  (``jsonschema``, formats checked: a "2024-02-30" is invalid). Per (method, budget): mean record F1, the exact-item
+- **Scoring is exact.** The answer is parsed (an answer the token limit cut keeps the records it wrote whole); a
+  record is correct when every field equals the gold record's (numbers by value, booleans only as booleans). Answer
+  and gold records are matched in order: the longest common subsequence of equal records, so a skipped or extra
+  record costs itself, not the records after it. Fields are scored too, each gold record against the answer's
+  record with its id (a small model that gets one field of a record wrong still shows what it copied): field F1
+  over the records' scalar fields (``leaf_fields``). Per item: correct records, record precision / recall / F1,
+  correct fields and field F1, exact (every gold record, in order, nothing else), valid JSON and schema-valid
+  (``jsonschema``, formats checked: a "2024-02-30" is invalid). A resumed file's cells are scored again from their
+  answers, so a scoring rule applies to every cell without a rerun. Per (method, budget): mean record F1, the exact-item
   rate, time per output token (decode seconds / generated tokens) and the KV bytes ratio as the BFCL harness reports
   it (``kv_bytes_ratio_mean``: mean over items; ``_max``: max over items).
 
@@ -373,15 +377,68 @@ def matched_in_order(answer: Sequence, gold: Sequence) -> int:
     return row[-1]
 
 
+def answer_records(text: str) -> tuple[bool, object, list]:
+    """An answer's text -> (whether it is one JSON value, that value, its "records"). An answer the token limit cut
+    keeps the records it wrote whole: the grammar makes every prefix valid JSON up to the cut."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False, None, _whole_records(text)
+    records = value.get("records") if isinstance(value, dict) else None
+    return True, value, records if isinstance(records, list) else []
+
+
+def _whole_records(text: str) -> list:
+    """The complete values of a cut answer's "records" array, in order."""
+    decoder, records = json.JSONDecoder(), []
+    start = text.find("[", text.find('"records"'))
+    at = start + 1 if start >= 0 else len(text)
+    while at < len(text):
+        at += len(text[at:]) - len(text[at:].lstrip(" ,\n"))
+        try:
+            record, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            break
+        records.append(record)
+    return records
+
+
+def leaf_fields(record: object, prefix: str = "") -> dict[str, object]:
+    """A record's scalar fields by dotted path (the destination's city and country are two fields)."""
+    if not isinstance(record, dict):
+        return {prefix: record} if prefix else {}
+    fields: dict[str, object] = {}
+    for key, value in record.items():
+        fields |= leaf_fields(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+    return fields
+
+
+def matched_fields(answer: Sequence, gold: Sequence[Mapping]) -> int:
+    """Fields of gold records the answer reproduces: each gold record against the first answer record with its id,
+    field by field (`same_value`). A record with one wrong field still counts its other fields."""
+    by_id: dict[object, Mapping] = {}
+    for record in answer:
+        if isinstance(record, dict) and isinstance(record.get("id"), str):
+            by_id.setdefault(record["id"], record)
+    correct = 0
+    for expected in gold:
+        written = leaf_fields(by_id.get(expected["id"], {}))
+        correct += sum(k in written and same_value(written[k], v) for k, v in leaf_fields(expected).items())
+    return correct
+
+
 @dataclasses.dataclass(frozen=True)
 class Score:
     """One answer against its item's gold records."""
 
     valid_json: bool
     schema_valid: bool  # under ANSWER_SCHEMA, formats checked
-    answer_records: int  # records the answer gives (its "records" array, schema-valid or not)
+    answer_records: int  # records the answer gives (its "records" array, schema-valid or not; a cut one's whole ones)
     correct_records: int  # matched in order (`matched_in_order`)
     gold_records: int
+    answer_fields: int  # scalar fields of the answer's records (`leaf_fields`)
+    correct_fields: int  # gold fields the answer reproduces (`matched_fields`)
+    gold_fields: int
 
     @property
     def precision(self) -> float:
@@ -396,19 +453,46 @@ class Score:
         return 2 * self.correct_records / (self.answer_records + self.gold_records)
 
     @property
+    def field_f1(self) -> float:
+        return 2 * self.correct_fields / (self.answer_fields + self.gold_fields)
+
+    @property
     def exact(self) -> bool:
         return self.schema_valid and self.correct_records == self.answer_records == self.gold_records
 
 
 def score_answer(text: str, gold: Sequence[Mapping]) -> Score:
-    """Score an answer's text against the gold records (an unparsable answer gives no records)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return Score(False, False, 0, 0, len(gold))
-    records = value.get("records") if isinstance(value, dict) else None
-    answer = records if isinstance(records, list) else []
-    return Score(True, _VALIDATOR.is_valid(value), len(answer), matched_in_order(answer, gold), len(gold))
+    """Score an answer's text against the gold records."""
+    valid, value, answer = answer_records(text)
+    return Score(
+        valid_json=valid,
+        schema_valid=valid and _VALIDATOR.is_valid(value),
+        answer_records=len(answer),
+        correct_records=matched_in_order(answer, gold),
+        gold_records=len(gold),
+        answer_fields=sum(len(leaf_fields(r)) for r in answer),
+        correct_fields=matched_fields(answer, gold),
+        gold_fields=sum(len(leaf_fields(r)) for r in gold),
+    )
+
+
+def score_fields(text: str, gold: Sequence[Mapping]) -> dict:
+    """A cell's score fields (what `score_answer` gives, as the results file records it)."""
+    score = score_answer(text, gold)
+    return {
+        "valid_json": score.valid_json,
+        "schema_valid": score.schema_valid,
+        "gold_records": score.gold_records,
+        "answer_records": score.answer_records,
+        "correct_records": score.correct_records,
+        "precision": round(score.precision, 5),
+        "recall": round(score.recall, 5),
+        "f1": round(score.f1, 5),
+        "exact": score.exact,
+        "gold_fields": score.gold_fields,
+        "correct_fields": score.correct_fields,
+        "field_f1": round(score.field_f1, 5),
+    }
 
 
 def run_config(
@@ -443,24 +527,12 @@ def cell_key(cell: Mapping) -> CellKey:
 def _cell(prompt: RecordsPrompt, method: str, budget: float, gen: Generation, tokenizer: Tokenizer) -> dict:
     stop = set(tokenizer.eos_token_ids)
     text = tokenizer.decode([t for t in gen.tokens if t not in stop])
-    score = score_answer(text, prompt.item.records)
-    return {
-        "method": method,
-        "budget": budget,
-        "index": prompt.item.index,
-        "seed": prompt.item.seed,
-        "answer": text,
-        "valid_json": score.valid_json,
-        "schema_valid": score.schema_valid,
-        "gold_records": score.gold_records,
-        "answer_records": score.answer_records,
-        "correct_records": score.correct_records,
-        "precision": round(score.precision, 5),
-        "recall": round(score.recall, 5),
-        "f1": round(score.f1, 5),
-        "exact": score.exact,
-        "gold_tokens": prompt.gold_tokens,
-    } | generation_fields(gen)
+    return (
+        {"method": method, "budget": budget, "index": prompt.item.index, "seed": prompt.item.seed, "answer": text}
+        | score_fields(text, prompt.item.records)
+        | {"gold_tokens": prompt.gold_tokens}
+        | generation_fields(gen)
+    )
 
 
 def run_records(
@@ -481,6 +553,8 @@ def run_records(
     check_methods(cfg, method_config, policies, ModelFingerprint.of(model.config, tokenizer))
     config = run_config(cfg, model_name, template_name, method_config, policies)
     cells, config["settings"] = read_results(out, config, kind="records")  # the file's other specs stay recorded
+    # scored again from their answers: a scoring rule added later applies to every cell without a rerun
+    cells = [c | score_fields(c["answer"], make_item(cfg.split, c["index"]).records) for c in cells]
     done = {cell_key(c) for c in cells}
     engines = build_engines(
         model, tokenizer, EvalConfig(methods=cfg.methods, budgets=cfg.budgets, num_groups=cfg.num_groups),
@@ -520,6 +594,8 @@ def run_records(
                         progress.update()
             if out is not None:
                 write_json(out, result())
+    if out is not None and not todo:  # nothing left to run: the file's cells as scored now
+        write_json(out, result())
     return result()
 
 
@@ -545,6 +621,7 @@ def summarize(cells: Sequence[Mapping]) -> list[dict]:
                 "budget": budget,
                 "n": len(group),
                 "record_f1": float(np.mean([c["f1"] for c in group])),
+                "field_f1": float(np.mean([c["field_f1"] for c in group])),
                 "record_precision": float(np.mean([c["precision"] for c in group])),
                 "record_recall": float(np.mean([c["recall"] for c in group])),
                 "exact_rate": float(np.mean([c["exact"] for c in group])),
@@ -552,6 +629,8 @@ def summarize(cells: Sequence[Mapping]) -> list[dict]:
                 "schema_valid_rate": float(np.mean([c["schema_valid"] for c in group])),
                 "correct_records": sum(c["correct_records"] for c in group),
                 "gold_records": sum(c["gold_records"] for c in group),
+                "correct_fields": sum(c["correct_fields"] for c in group),
+                "gold_fields": sum(c["gold_fields"] for c in group),
                 "generated_tokens": tokens,
                 "tpot_ms": 1e3 * sum(c["decode_s"] for c in group) / max(tokens, 1),
                 "kv_bytes_ratio_mean": float(np.mean([c["kv_bytes_ratio_mean"] for c in group])),
@@ -564,14 +643,16 @@ def summarize(cells: Sequence[Mapping]) -> list[dict]:
 
 
 def format_table(result: Mapping) -> str:
-    """One Markdown row per (method, budget): records right, record F1 and exact items (%), valid / schema-valid
-    answers (%), TPOT and the KV bytes ratio."""
-    head = ["method", "budget", "items", "records right", "record F1", "exact", "valid JSON", "schema-valid"]
+    """One Markdown row per (method, budget): records right, record F1, fields right, field F1 and exact items (%),
+    valid / schema-valid answers (%), TPOT and the KV bytes ratio."""
+    head = ["method", "budget", "items", "records right", "record F1", "fields right", "field F1", "exact"]
+    head += ["valid JSON", "schema-valid"]
     head += ["TPOT ms", "KV bytes mean / max"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in result["summary"]:
         row = [s["method"], f"{s['budget']:g}", str(s["n"]), f"{s['correct_records']} / {s['gold_records']}"]
-        row += [f"{100 * s[k]:.1f}" for k in ("record_f1", "exact_rate", "valid_json_rate", "schema_valid_rate")]
+        row += [f"{100 * s['record_f1']:.1f}", f"{s['correct_fields']} / {s['gold_fields']}"]
+        row += [f"{100 * s[k]:.1f}" for k in ("field_f1", "exact_rate", "valid_json_rate", "schema_valid_rate")]
         row += [f"{s['tpot_ms']:.1f}", f"{s['kv_bytes_ratio_mean']:.3f} / {s['kv_bytes_ratio_max']:.3f}"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -125,7 +125,7 @@ N = len(GOLD)
         (_answer(GOLD[1:] + GOLD[:1]), True, True, N, N - 1, False),  # out of order: the first one is lost
         (_answer(GOLD, note="x"), True, False, N, N, False),  # all records right, but an extra key
         (_answer([]), True, True, 0, 0, False),
-        (_answer(GOLD)[:-40], False, False, 0, 0, False),  # cut off at the token limit
+        (_answer(GOLD)[:-40], False, False, N - 1, N - 1, False),  # cut at the token limit: its whole records count
         (json.dumps(list(GOLD)), True, False, 0, 0, False),  # an array, not the answer object
     ],
 )
@@ -139,6 +139,27 @@ def test_the_scorer_is_exact_and_matches_records_in_order(text, valid, schema_va
     assert score.precision == pytest.approx(correct / given if given else 0.0)
     p, r = score.precision, score.recall
     assert score.f1 == pytest.approx(2 * p * r / (p + r) if p + r else 0.0)
+
+
+FIELDS = sum(len(records.leaf_fields(r)) for r in GOLD)  # 10 per record: the destination's city and country apart
+
+
+@pytest.mark.parametrize(
+    ("answer", "correct_fields"),
+    [
+        (GOLD, FIELDS),
+        (_changed(0, weight_kg=GOLD[0]["weight_kg"] + 1), FIELDS - 1),  # one field wrong: the record's others count
+        (_changed(3, destination={"city": GOLD[3]["destination"]["city"], "country": "Mars"}), FIELDS - 1),
+        (GOLD[1:] + GOLD[:1], FIELDS),  # matched by id, not position
+        (_changed(2, id="SH-00000"), FIELDS - 10),  # an id nobody has: that record's fields are lost
+        ([*GOLD, GOLD[0]], FIELDS),  # a repeated record adds fields, not matches
+    ],
+)
+def test_fields_are_scored_per_record_by_id(answer, correct_fields):
+    score = records.score_answer(_answer(answer), GOLD)
+    assert (score.correct_fields, score.gold_fields) == (correct_fields, FIELDS)
+    written = sum(len(records.leaf_fields(r)) for r in answer)
+    assert score.field_f1 == pytest.approx(2 * correct_fields / (written + FIELDS))
 
 
 def test_in_order_matching_is_the_longest_common_subsequence():
