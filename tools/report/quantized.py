@@ -45,6 +45,7 @@ ACTIONS_DEV_ALL = (  # every dev candidate on the 34 items of the three categori
     "results/dev_actions/dev_two_pools.json",
     "results/dev_actions/dev_kivi4_capped.json",
     "results/dev_actions/dev_two_pools_window.json",
+    "results/dev_actions/dev_small_high.json",
 )
 
 
@@ -169,6 +170,9 @@ def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
         "kivi:k4": "KIVI at 4 bits under the cap (the oldest entries leave; `kivi` takes 2 bits at b <= 0.33)",
         "pask:two_pools_w": "the same with the window's bytes set aside in the compile (`--window 32`) and a mixed "
         "window block moved down to 2 bits rather than anything evicted",
+        "pask:small_high": "the two pools with the method config's own actions over that policy's floors and "
+        "priorities: the call being written, the request and the tools' names at 4 bits, every other role at 2 bits, "
+        "nothing released by the plan",
         "pask:actions": "the 17-item policy under the default rule",
     }
     present = {row[0].split(" @ ")[0] for row in rows}  # the methods with a row
