@@ -155,10 +155,10 @@ ANSWER_SCHEMA = {
 }
 INSTRUCTION = (
     "Below is a shipping manifest. Extract every shipment it describes, in the order they appear, as one JSON object "
-    'whose "records" array holds one object per shipment. Write the goods without their quantity, the ship date as '
-    "YYYY-MM-DD, the weight in kilograms, and the status as one of: " + ", ".join(STATUS_PHRASES) + ". Sentences "
-    "that describe no shipment with a shipment number (cancelled or unbooked orders, notes about the warehouse) are "
-    "not records. The answer follows this JSON schema:"
+    'whose "records" array holds one object per shipment. Write the ship date as YYYY-MM-DD, the weight in '
+    "kilograms, and the status as one of: " + ", ".join(STATUS_PHRASES) + ". Sentences that describe no shipment "
+    "with a shipment number (cancelled or unbooked orders, notes about the warehouse) are not records. The answer "
+    "follows this JSON schema:"
 )
 
 
