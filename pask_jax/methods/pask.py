@@ -125,7 +125,7 @@ class PaskKV(KVMethod):
     fill_window: bool = False  # with actions: prefill leaves the highest-ranked entries of any tier in the window
 
     def __post_init__(self) -> None:
-        for table in ("floor", "priority", "retain", "action"):  # a method config gives lists: hashable rows
+        for table in ("floor", "priority", "retain", "action"):  # lists (a policy's, a method config's): hashable rows
             object.__setattr__(self, table, tuple(map(tuple, getattr(self, table))))
         if self.rank not in RANKS:
             raise ValueError(f"PASK rank must be one of {RANKS}, not {self.rank!r}")
@@ -168,15 +168,15 @@ class PaskKV(KVMethod):
         if t.action is not None and policy.stats is not None:
             high = getattr(policy.stats, "high_storage", None) or "bf16"  # statistics older than HIGH measurements
             measured = {"low_storage": policy.stats.low_storage, "high_storage": high}
-        tables = dict(
-            floor=tuple(map(tuple, t.floor.tolist())),
-            priority=tuple(map(tuple, t.priority.tolist())),
-            retain=tuple(map(tuple, t.retain.tolist())),
+        tables = dict(  # [R][G] rows as lists: `__post_init__` makes them tuples
+            floor=t.floor.tolist(),
+            priority=t.priority.tolist(),
+            retain=t.retain.tolist(),
             group_fractions=tuple(t.group_fractions.tolist()),
             layer_group=tuple(g for g, (a, b) in enumerate(groups) for _ in range(a, b)),
             budget=t.budget,
             release_window=policy.release_window,
-            action=() if t.action is None else tuple(map(tuple, t.action.tolist())),
+            action=() if t.action is None else t.action.tolist(),
         )
         return cls(**tables | measured | overrides)  # an `action` table in `overrides` replaces the policy's
 
