@@ -30,7 +30,9 @@ class BlockPool:
 
     k: QuantizedBlock  # codes u8[Lg, B, K, NB, T, H*bits/8]; scale, zero f16[Lg, B, K, NB, 1, H] (per channel)
     v: QuantizedBlock  # codes u8[Lg, B, K, NB, T, H*bits/8]; scale, zero f16[Lg, B, K, NB, T, H/g] (per token)
-    pos: jax.Array  # i32[Lg, B, K, NB, T] original position of each entry, -1 if dead or free
+    pos: (
+        jax.Array
+    )  # i16[Lg, B, K, NB, T] original position of each entry, -1 if dead or free (i32: `Storage.positions`)
     role: jax.Array  # i8[Lg, B, K, NB, T]
     table: jax.Array  # i32[Lg, B, K, NB] block permutation: first `count` live
     count: jax.Array  # i32[Lg, B, K] live blocks
@@ -46,7 +48,14 @@ class BlockPool:
 
     @classmethod
     def empty(
-        cls, layers: int, batch: int, kv_heads: int, blocks: int, head_dim: int, formats: tuple[KVFormat, KVFormat]
+        cls,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        blocks: int,
+        head_dim: int,
+        formats: tuple[KVFormat, KVFormat],
+        position_dtype=jnp.int16,
     ) -> BlockPool:
         block = formats[0].group
         zeros = jnp.zeros((layers, batch, kv_heads, blocks, block, head_dim), jnp.float32)
@@ -54,7 +63,7 @@ class BlockPool:
         return cls(
             k=jax.tree.map(jnp.zeros_like, quantize(zeros, formats[0])),
             v=jax.tree.map(jnp.zeros_like, quantize(zeros, formats[1])),
-            pos=jnp.full((*shape, block), -1, jnp.int32),
+            pos=jnp.full((*shape, block), -1, position_dtype),
             role=jnp.zeros((*shape, block), jnp.int8),
             table=jnp.broadcast_to(jnp.arange(blocks, dtype=jnp.int32), shape),
             count=jnp.zeros(shape[:-1], jnp.int32),
@@ -85,7 +94,7 @@ class BlockPool:
 
         live = (jnp.arange(nb) < count[..., None])[..., None]  # bool[B, K, nb, 1]
         qk, qv = quantize(blocked(k), self.formats[0]), quantize(blocked(v), self.formats[1])
-        put = lambda pool, new: pool.at[layer, :, :, :nb].set(new)  # noqa: E731
+        put = lambda pool, new: pool.at[layer, :, :, :nb].set(new.astype(pool.dtype))  # noqa: E731
         return dataclasses.replace(
             self,
             k=jax.tree.map(put, self.k, qk),
@@ -112,7 +121,7 @@ class BlockPool:
         rows, heads = jnp.arange(k.shape[0])[:, None], jnp.arange(k.shape[1])[None, :]
 
         def put(pool: jax.Array, new: jax.Array) -> jax.Array:
-            return pool.at[layer, rows, heads, block].set(new, mode="drop")
+            return pool.at[layer, rows, heads, block].set(new.astype(pool.dtype), mode="drop")
 
         return dataclasses.replace(
             self,

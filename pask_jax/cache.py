@@ -73,7 +73,7 @@ class GroupCache:
 
     k: QuantizedBlock  # codes f[Lg, B, K, C, H] at full precision, else the slot format's codes and scales
     v: QuantizedBlock  # as k
-    pos: jax.Array  # i32[Lg, B, K, C]   original position of the slot's token, -1 if free
+    pos: jax.Array  # i16[Lg, B, K, C]   original position of the slot's token, -1 if free (i32: `Storage.positions`)
     role: jax.Array  # i8[Lg, B, K, C]   structural role id of the slot's token
     tool: jax.Array  # i16[Lg, B, K, C]  index of the offered tool the slot's prompt token describes, -1 if none
     score: jax.Array  # f32[Lg, B, K, C] the method's keep-priority of the slot's entry
@@ -117,14 +117,14 @@ class GroupCache:
         kv = quantize(jnp.zeros((*shape, head_dim), dtype), storage.slots)
         counts = (blocks,) * len(storage.block_pools) if isinstance(blocks, int) else blocks
         pools = [
-            BlockPool.empty(layers, batch, kv_heads, max(n, 1), head_dim, formats)
+            BlockPool.empty(layers, batch, kv_heads, max(n, 1), head_dim, formats, storage.position_dtype)
             for n, formats in zip(counts, storage.block_pools, strict=True)
         ]
         return (
             cls(
                 k=kv,
                 v=kv,
-                pos=jnp.full(shape, -1, jnp.int32),
+                pos=jnp.full(shape, -1, storage.position_dtype),
                 role=jnp.zeros(shape, jnp.int8),
                 tool=jnp.full(shape, -1, jnp.int16),
                 score=jnp.zeros(shape, jnp.float32),
@@ -273,7 +273,9 @@ class GroupCache:
             self,
             k=store(self.k, k),
             v=store(self.v, v),
-            pos=_set_slots(self.pos, layer, slot, jnp.broadcast_to(position[:, None], per_head), self.axes),
+            pos=_set_slots(
+                self.pos, layer, slot, jnp.broadcast_to(position[:, None], per_head).astype(self.pos.dtype), self.axes
+            ),
             role=_set_slots(
                 self.role, layer, slot, jnp.broadcast_to(role[:, None], per_head).astype(jnp.int8), self.axes
             ),
@@ -297,7 +299,9 @@ class GroupCache:
             self,
             table=table,
             length=self.length.at[layer].add(-do.astype(jnp.int32)),
-            pos=_set_slots(self.pos, layer, jnp.where(do, slot, drop), jnp.full(slot.shape, -1, jnp.int32), self.axes),
+            pos=_set_slots(
+                self.pos, layer, jnp.where(do, slot, drop), jnp.full(slot.shape, -1, self.pos.dtype), self.axes
+            ),
         )
 
     def take_down(

@@ -9,20 +9,24 @@ them.
 
 The budget b is in bytes: the bytes the cache holds for a sequence over the bytes of a full bf16 K/V cache of the
 same length (2 bytes an element, no metadata). Every byte an entry holds counts: its codes, its share of scales and
-zeros (`quantize.bytes_per_token`), and its metadata -- a slot's position (i32), role (i8), offered tool (i16),
-keep-priority (f32) and table entry (i32); a block entry's position (i32) and role (i8) plus its share of the block's
-table entry (i32). Full precision counts 2 bytes an element even where the engine holds f32 (CPU), so a budget means
-the same on every machine.
+zeros (`quantize.bytes_per_token`), and its metadata -- a slot's position, role (i8), offered tool (i16),
+keep-priority (f32) and table entry (i32); a block entry's position and role (i8) plus its share of the block's table
+entry (i32). Positions are i16 (`Storage.positions` = 2: sequences of up to 32,768 positions, the default context),
+or i32 for longer ones (the engine widens them when its `max_context` asks for more). Full precision counts 2 bytes
+an element even where the engine holds f32 (CPU), so a budget means the same on every machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from pask_jax.kernels.quantize import FULL, PRESETS, KVFormat, bytes_per_token
 
-SLOT_METADATA_BYTES = 4 + 1 + 2 + 4 + 4  # pos i32, role i8, tool i16, score f32, table i32
-BLOCK_ENTRY_METADATA_BYTES = 4 + 1  # pos i32, role i8 (the block's table entry is shared by its entries)
+SLOT_METADATA_BYTES = 1 + 2 + 4 + 4  # beside the position: role i8, tool i16, score f32, table i32
+BLOCK_ENTRY_METADATA_BYTES = 1  # beside the position: role i8 (the block's table entry is shared by its entries)
+POSITION_DTYPES = {2: jnp.int16, 4: jnp.int32}  # bytes of a stored position -> its dtype
 BLOCK_TABLE_BYTES = 4  # i32 per block
 FULL_BYTES_PER_ELEMENT = 2  # the budget's reference: bf16 K and V, no metadata
 BLOCK_FORMATS = tuple(name for name, (key, _) in PRESETS.items() if key.axis == "channel")  # kivi2, kivi4
@@ -40,14 +44,18 @@ class Storage:
 
     `window`: with a block pool, the entries the slot pool holds at full precision before its oldest `block` go
     down into a block (KIVI's residual length R); the cap may take them down sooner.
+    `positions`: bytes of each entry's stored position, 2 (i16: positions below 32,768) or 4 (i32).
     """
 
     slots: KVFormat = FULL
     blocks: tuple[KVFormat, KVFormat] | None = None
     second_blocks: tuple[KVFormat, KVFormat] | None = None
     window: int = 0
+    positions: int = 2
 
     def __post_init__(self) -> None:
+        if self.positions not in POSITION_DTYPES:
+            raise ValueError(f"positions are stored in {list(POSITION_DTYPES)} bytes, not {self.positions}")
         if self.slots.axis == "channel":
             raise ValueError("the slot pool stores entries one by one: its format must be per token, not per channel")
         for key, value in self.block_pools:
@@ -72,6 +80,15 @@ class Storage:
     def block(self) -> int:
         """Entries per block of the block pool (its keys' channel-group length); 0 without one."""
         return 0 if self.blocks is None else self.blocks[0].group
+
+    @property
+    def position_dtype(self):
+        return POSITION_DTYPES[self.positions]
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence (prompt and generated tokens) whose positions the cache can store."""
+        return 2 ** (8 * self.positions - 1)
 
     @property
     def lossless(self) -> bool:
@@ -137,7 +154,7 @@ class Storage:
 
     def slot_entry_bytes(self, head_dim: int) -> float:
         """Bytes one slot-pool entry (one token of one KV head) holds, metadata included."""
-        return 2 * bytes_per_token(self.slots, head_dim) + SLOT_METADATA_BYTES
+        return 2 * bytes_per_token(self.slots, head_dim) + self.positions + SLOT_METADATA_BYTES
 
     def action_bytes(self, head_dim: int) -> tuple[float, float, float]:
         """(the reference, LOW, HIGH): the bytes per entry a precision-action policy is compiled for
@@ -154,4 +171,4 @@ class Storage:
             raise ValueError(f"this storage has no block pool {pool}")
         key, value = self.block_pools[pool]
         payload = bytes_per_token(key, head_dim) + bytes_per_token(value, head_dim)
-        return payload + BLOCK_ENTRY_METADATA_BYTES + BLOCK_TABLE_BYTES / self.block
+        return payload + self.positions + BLOCK_ENTRY_METADATA_BYTES + BLOCK_TABLE_BYTES / self.block

@@ -128,6 +128,8 @@ class Engine:
         if own is not None and storage is not None and storage != own:
             raise ValueError(f"method {method.name!r} chooses its own storage ({own.name}); it takes no other")
         self.storage = storage or own or Storage()
+        if max_context is not None and max_context > self.storage.max_positions:  # i16 positions would not hold it
+            self.storage = dataclasses.replace(self.storage, positions=4)
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.length_buckets = tuple(sorted(length_buckets))
         self.max_context = max_context
@@ -171,6 +173,11 @@ class Engine:
             raise ValueError(
                 f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the context "
                 f"limit {self.max_context}"
+            )
+        if longest + max_new_tokens > self.storage.max_positions:
+            raise ValueError(
+                f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                f"{self.storage.max_positions} positions the cache stores; give the engine a larger max_context"
             )
         prompt_bucket = length_bucket(longest, self.length_buckets)
         new_bucket = new_token_bucket(max_new_tokens)

@@ -4,6 +4,7 @@ the window going down a block, attention over both pools, and the method specs t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +28,44 @@ KIVI2 = (KVFormat(2, "int", "channel", T), KVFormat(2, "int", "token", H))
 
 
 def test_entry_bytes_at_head_dim_64():
-    # reference 256 = 2 x 64 x 2; slot metadata 15 = pos 4 + role 1 + tool 2 + score 4 + table 4
+    # reference 256 = 2 x 64 x 2; slot metadata 13 = pos 2 (i16) + role 1 + tool 2 + score 4 + table 4
     assert full_entry_bytes(64) == 256
-    assert Storage().slot_entry_bytes(64) == 256 + 15
-    assert Storage(slots=INT8).slot_entry_bytes(64) == 2 * 66 + 15
-    assert Storage(slots=FP8).slot_entry_bytes(64) == 2 * 66 + 15
-    assert Storage(slots=PRESETS["int4"][0]).slot_entry_bytes(64) == 2 * 40 + 15
-    # a block entry: key and value codes + their share of the f16 scales and zeros, pos 4 + role 1, table 4 / block
-    assert Storage(blocks=PRESETS["kivi2"]).block_entry_bytes(64) == 24 + 24 + 5 + 4 / 32
-    assert Storage(blocks=PRESETS["kivi4"]).block_entry_bytes(64) == 40 + 40 + 5 + 4 / 32
+    assert Storage().slot_entry_bytes(64) == 256 + 13
+    assert Storage(slots=INT8).slot_entry_bytes(64) == 2 * 66 + 13
+    assert Storage(slots=FP8).slot_entry_bytes(64) == 2 * 66 + 13
+    assert Storage(slots=PRESETS["int4"][0]).slot_entry_bytes(64) == 2 * 40 + 13
+    assert Storage(positions=4).slot_entry_bytes(64) == 256 + 15  # i32 positions, for sequences past 32,768
+    # a block entry: key and value codes + their share of the f16 scales and zeros, pos 2 + role 1, table 4 / block
+    assert Storage(blocks=PRESETS["kivi2"]).block_entry_bytes(64) == 24 + 24 + 3 + 4 / 32
+    assert Storage(blocks=PRESETS["kivi4"]).block_entry_bytes(64) == 40 + 40 + 3 + 4 / 32
+    # so a 4-bit entry fits b = 0.33 (0.3247 of bf16) and a 2-bit one b = 0.2 (0.1997): KIVI's widest choice
+    assert KIVI().widest_bits(0.33, 64) == 4 and KIVI().widest_bits(0.2, 64) == 2
+
+
+@pytest.mark.parametrize("positions", [2, 4])
+def test_stored_positions_take_the_bytes_the_budget_counts(positions: int):
+    storage = dataclasses.replace(TWO_POOLS, positions=positions)
+    cache = GroupCache.empty(1, B, K, 8, H, jnp.float32, storage=storage, blocks=2)
+    for pos in (cache.pos, *(pool.pos for pool in cache.block_pools)):
+        assert pos.dtype.itemsize == positions
+    cache = cache.write(
+        0,
+        jnp.ones((B, K, H)),
+        jnp.ones((B, K, H)),
+        jnp.full(B, 32_767),
+        jnp.zeros(B, jnp.int32),
+        jnp.ones((B, K), bool),
+    )
+    assert int(cache.pos[0, 0, 0, 0]) == 32_767  # the last position an i16 holds
+
+
+def test_the_engine_widens_positions_past_32768_and_refuses_what_they_cannot_hold(wide_model: Decoder):
+    engine = make_engine(wide_model, "full", budget=1.0)
+    assert engine.storage.positions == 2 and engine.storage.max_positions == 32_768
+    with pytest.raises(ValueError, match="exceeds the 32768 positions the cache stores; give the engine a larger"):
+        engine.batch_shape([32_000], 1_000)
+    wide = make_engine(wide_model, "full", budget=1.0, max_context=65_536)
+    assert wide.storage.positions == 4 and wide.storage.max_positions > 65_536
 
 
 def test_storage_refuses_what_it_cannot_hold():
@@ -181,7 +211,7 @@ def test_method_specs_name_a_storage(wide_model: Decoder):
     assert method_spec("h2o:w8@fp8") == "h2o:w8@fp8"
     with pytest.raises(argparse.ArgumentTypeError, match="unknown storage 'int2'"):
         method_spec("snapkv@int2")
-    assert KIVI().widest_bits(0.33, 64) == 2 and KIVI().widest_bits(0.34, 64) == 4  # 85.1 bytes of 256 is 0.3325
+    assert KIVI().widest_bits(0.32, 64) == 2 and KIVI().widest_bits(0.33, 64) == 4  # 83.1 bytes of 256 is 0.3247
 
 
 @pytest.mark.parametrize("storage", [Storage(slots=FP8), Storage(blocks=KIVI2, window=2)])
