@@ -8,10 +8,11 @@ records it already wrote, or mangles a field it copied, shows it.
 
 - **Items from seeds.** Item ``index`` of split ``split`` is drawn from the seed ``SPLIT_SEEDS[split] + index``
   (dev: 0 .., evaluation: 1,000,000 ..; an index below ``SPLIT_SIZE``, so the splits never share a seed). It holds
-  ``MIN_RECORDS``..``MAX_RECORDS`` shipment records (``RECORD_SCHEMA``: an id, the goods, a quantity, a weight, a
-  status enum, a fragile flag, a ship date, a recipient and a nested destination), written as a manifest: one or two
-  sentences per record from one of ``TEMPLATES`` (dates as "March 5, 2024", statuses as phrases), with a distractor
-  sentence (``DISTRACTORS``: cancelled orders, notes about the warehouse) after about every third record.
+  ``MIN_RECORDS``..``MAX_RECORDS`` shipment records (``RECORD_SCHEMA``: an id, the goods (an enum of ``GOODS``), a
+  quantity, a weight, a status enum, a fragile flag, a ship date, a recipient and a nested destination), written as
+  a manifest: one or two sentences per record from one of ``TEMPLATES`` (dates as "March 5, 2024", statuses as
+  phrases), with a distractor sentence (``DISTRACTORS``: cancelled orders, notes about the warehouse) after about
+  every third record.
 - **The prompt** is one user message (``INSTRUCTION``, ``ANSWER_SCHEMA`` as JSON, the manifest) in the checkpoint's
   chat template; the answer is decoded under ``ANSWER_SCHEMA``'s grammar (a ``response_format`` json_schema, as
   `pask-jax run` decodes one), whose parser states give PASK the roles of the generated tokens.
@@ -130,7 +131,7 @@ RECORD_SCHEMA = {
     "type": "object",
     "properties": {
         "id": {"type": "string", "pattern": "SH-[0-9]{5}"},
-        "goods": {"type": "string"},
+        "goods": {"type": "string", "enum": list(GOODS)},  # a catalog: the goods named apart from their quantity
         "quantity": {"type": "integer"},
         "weight_kg": {"type": "number"},
         "status": {"type": "string", "enum": list(STATUS_PHRASES)},

@@ -3,7 +3,7 @@
 A method's allowance (`KVMethod.keep_allowance`) is in entries of the budget's reference, a bf16 K/V entry without
 metadata (`storage.full_entry_bytes`): `allowance * full_entry_bytes` bytes. What the cache may hold of it depends on
 how it stores entries (`pask_jax.storage`): a bf16 slot entry with its metadata costs a little more than the
-reference (at head_dim 64, 271 bytes for 256), an int8 one about half, a KIVI-2 block entry about a fifth. At budget
+reference (at head_dim 64, 269 bytes for 256), an int8 one about half, a KIVI-2 block entry about a fifth. At budget
 1 nothing is capped (the cache keeps every entry, whatever it costs), so budget 1 always reproduces full KV.
 
 The decode step keeps, per (layer, sequence, KV head), `held_bytes <= allowance(P + t) * full_entry_bytes` after each

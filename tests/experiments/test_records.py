@@ -111,6 +111,7 @@ N = len(GOLD)
         (_answer(_changed(0, weight_kg=int(GOLD[0]["weight_kg"]) + 1.0)), True, True, N, N - 1, False),
         (_answer(_changed(2, fragile=int(GOLD[2]["fragile"]))), True, False, N, N - 1, False),  # 1 is not true
         (_answer(_changed(1, quantity=str(GOLD[1]["quantity"]))), True, False, N, N - 1, False),
+        (_answer(_changed(1, goods=f"{GOLD[1]['quantity']} {GOLD[1]['goods']}")), True, False, N, N - 1, False),
         (
             _answer(_changed(3, destination={"city": GOLD[3]["destination"]["city"], "country": "Mars"})),
             True,
