@@ -23,6 +23,10 @@ ACTIONS_EVAL = tuple(
     for c in ("simple_python", "live_simple", "live_multiple")
     for group in ("base", "v3")
 )
+# KIVI at its widest precision with i16 positions (4 bits at b = 0.33): full KV and KIVI over items 185-209, one file
+# per category, the categories whose run is complete
+KIVI_EVAL = tuple(f"results/kivi_eval/bfcl_items185_209_{c}.json" for c in ("simple_python", "live_simple"))
+KIVI_DEV = ("results/dev_positions/dev_kivi_i16.json",)  # the same KIVI on the 34 dev items, before the run
 ACTIONS_DEV = (  # PASK with precision actions on the dev split, beside the baselines on the same items
     "results/dev_actions/dev_calib6.json",
     "results/dev_actions/dev_calib18_short.json",
@@ -123,6 +127,11 @@ def quantized_vs_eviction(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> 
     return f"**Claim.** {claim}\n\n" + _table(("A - B @ b", *PAIRED_HEAD), rows)
 
 
+def kivi_eval_vs_full(root: Path, files: Sequence[str] = KIVI_EVAL) -> str:
+    sample = f"BFCL items 185-209 of {_categories(files, 'bfcl_items185_209_')}"
+    return _vs_full(_merged(root, files), sample, QUANTIZED.__contains__, "KIVI at its widest precision")
+
+
 def actions_eval_vs_full(root: Path, files: Sequence[str] = ACTIONS_EVAL) -> str:
     sample = f"BFCL items 160-184 of {_categories(files, 'bfcl_items160_184_')}"
     return _vs_full(_merged(root, files), sample, "pask:v3".__eq__, "PASK with precision actions")
@@ -176,11 +185,10 @@ def actions_dev(root: Path, files: Sequence[str] = ACTIONS_DEV) -> str:
         "pask:actions": "the 17-item policy under the default rule",
     }
     present = {row[0].split(" @ ")[0] for row in rows}  # the methods with a row
+    named = "; ".join(f"`{m}`: {text}" for m, text in labels.items() if m in present)
     claim = (
         f"Dev items only (for choosing, not a reported result): the first 12 dev items of {', '.join(categories)}, "
-        "every row on the same items. "
-        + "; ".join(f"`{m}`: {text}" for m, text in labels.items() if m in present)
-        + "."
+        "every row on the same items." + (f" {named}." if named else "")
     )
     head = ["method @ b", *categories, "all", "bytes / full bf16, mean / max"]
     return f"**Claim.** {claim}\n\n" + _table(head, rows)
@@ -192,6 +200,10 @@ def actions_dev_multiple(root: Path) -> str:
 
 def actions_dev_all(root: Path) -> str:
     return actions_dev(root, ACTIONS_DEV_ALL)
+
+
+def kivi_dev(root: Path) -> str:
+    return actions_dev(root, KIVI_DEV)
 
 
 def actions_dev_prefill_rule(root: Path) -> str:
@@ -207,6 +219,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "quantized_vs_eviction": quantized_vs_eviction,
     "quantized_more_vs_full": quantized_more_vs_full,
     "quantized_serving": quantized_serving,
+    "kivi_dev": kivi_dev,
     "actions_eval_vs_full": actions_eval_vs_full,
     "actions_eval_vs_strongest": actions_eval_vs_strongest,
     "actions_dev": actions_dev,
