@@ -23,9 +23,13 @@ ACTIONS_EVAL = tuple(
     for c in ("simple_python", "live_simple", "live_multiple")
     for group in ("base", "v3")
 )
-# KIVI at its widest precision with i16 positions (4 bits at b = 0.33): full KV and KIVI over items 185-209, one file
-# per category, the categories whose run is complete
-KIVI_EVAL = tuple(f"results/kivi_eval/bfcl_items185_209_{c}.json" for c in ("simple_python", "live_simple"))
+# KIVI at its widest precision with i16 positions (4 bits at b = 0.33) over items 185-209: per category a file of
+# full KV and KIVI (run.sh) and one of the default PASK (run_more.sh), the categories whose runs are complete
+KIVI_EVAL = tuple(
+    f"results/kivi_eval/bfcl_items185_209_{c}{more}.json"
+    for c in ("simple_python", "live_simple", "live_multiple")
+    for more in ("", "_more")
+)
 KIVI_DEV = ("results/dev_positions/dev_kivi_i16.json",)  # the same KIVI on the 34 dev items, before the run
 ACTIONS_DEV = (  # PASK with precision actions on the dev split, beside the baselines on the same items
     "results/dev_actions/dev_calib6.json",
@@ -110,7 +114,9 @@ def quantized_more_vs_full(root: Path, categories: Sequence[str] = QUANTIZED_MOR
     return _vs_full(_merged(root, files), sample, QUANTIZED.__contains__, "the best uniform quantizer")
 
 
-def quantized_vs_eviction(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> str:
+def quantized_vs_eviction(
+    root: Path, files: Sequence[str] = QUANTIZED_EVAL, eviction: str = "bf16 or int4 entries"
+) -> str:
     """Per budget, the quantizer with the most correct items against the eviction method with the most, paired."""
     result = _merged(root, files)
     rows = []
@@ -123,13 +129,17 @@ def quantized_vs_eviction(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> 
                 f"{quantizer} - {eviction} @ {budget:g}"
             )
         )
-    claim = "The best uniform quantizer against the best eviction method (bf16 or int4 entries) at each budget."
+    claim = f"The best uniform quantizer against the best eviction method ({eviction}) at each budget."
     return f"**Claim.** {claim}\n\n" + _table(("A - B @ b", *PAIRED_HEAD), rows)
 
 
 def kivi_eval_vs_full(root: Path, files: Sequence[str] = KIVI_EVAL) -> str:
-    sample = f"BFCL items 185-209 of {_categories(files, 'bfcl_items185_209_')}"
+    sample = f"BFCL items 185-209 of {_categories([f.removesuffix('_more.json') for f in files], 'bfcl_items185_209_')}"
     return _vs_full(_merged(root, files), sample, QUANTIZED.__contains__, "KIVI at its widest precision")
+
+
+def kivi_eval_vs_eviction(root: Path) -> str:
+    return quantized_vs_eviction(root, KIVI_EVAL, "the default PASK, bf16 entries")
 
 
 def actions_eval_vs_full(root: Path, files: Sequence[str] = ACTIONS_EVAL) -> str:
@@ -220,6 +230,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "quantized_more_vs_full": quantized_more_vs_full,
     "quantized_serving": quantized_serving,
     "kivi_dev": kivi_dev,
+    "kivi_eval_vs_full": kivi_eval_vs_full,
+    "kivi_eval_vs_eviction": kivi_eval_vs_eviction,
     "actions_eval_vs_full": actions_eval_vs_full,
     "actions_eval_vs_strongest": actions_eval_vs_strongest,
     "actions_dev": actions_dev,
