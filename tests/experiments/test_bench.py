@@ -55,14 +55,14 @@ def runs_by_method(result: dict) -> dict[str, dict]:
 
 def hand_cache_bytes(fraction: float, batch: int) -> int:
     """Tiny model (2 layers -> 2 groups of 1 layer, K=2 KV heads, H=16, float32): K and V f32[C, H] per slot, then
-    pos i32 / role i8 / tool i16 / score f32 / table i32 (15 bytes) per slot, a length per (row, head), one overflow
+    pos i16 / role i8 / tool i16 / score f32 / table i32 (13 bytes) per slot, a length per (row, head), one overflow
     flag per group. Below b = 1 the slots are the entries the budget's bytes pay for: a bf16 entry of 64 bytes (the
-    reference) costs 64 + 15 with its metadata."""
+    reference) costs 64 + 13 with its metadata."""
     full = PROMPT_BUCKET + NEW_BUCKET
-    entries = fraction * full * (64 / 79 if fraction < 1 else 1)
+    entries = fraction * full * (64 / 77 if fraction < 1 else 1)
     capacity = min(math.ceil(round(entries, 6)), full) + 1
     kv_heads, head_dim = 2, 16
-    per_group = batch * kv_heads * capacity * (2 * head_dim * 4 + 15) + batch * kv_heads * 4 + 1
+    per_group = batch * kv_heads * capacity * (2 * head_dim * 4 + 13) + batch * kv_heads * 4 + 1
     return 2 * per_group
 
 
@@ -153,7 +153,7 @@ def test_decode_sweep_records_kept_slots_per_layer(result):
     points = {p["budget"]: p for p in sweep["points"]}
     assert set(points) == {1.0, 0.2} and sweep["batch"] == 1
     assert points[1.0]["capacity_slots_per_layer"] == [PROMPT_BUCKET + NEW_BUCKET + 1] * 2
-    assert points[0.2]["capacity_slots_per_layer"] == [53, 53]  # ceil(0.2 * 320 * 64 / 79) + 1
+    assert points[0.2]["capacity_slots_per_layer"] == [55, 55]  # ceil(0.2 * 320 * 64 / 77) + 1
     assert points[0.2]["kept_ratio_max"] <= 0.21 and points[1.0]["kept_ratio_mean"] == pytest.approx(1.0)
     assert points[0.2]["tpot_ms"]["median"] > 0 and points[1.0]["tpot_ratio_vs_top_budget"] == 1.0
 
