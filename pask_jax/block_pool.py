@@ -30,9 +30,7 @@ class BlockPool:
 
     k: QuantizedBlock  # codes u8[Lg, B, K, NB, T, H*bits/8]; scale, zero f16[Lg, B, K, NB, 1, H] (per channel)
     v: QuantizedBlock  # codes u8[Lg, B, K, NB, T, H*bits/8]; scale, zero f16[Lg, B, K, NB, T, H/g] (per token)
-    pos: (
-        jax.Array
-    )  # i16[Lg, B, K, NB, T] original position of each entry, -1 if dead or free (i32: `Storage.positions`)
+    pos: jax.Array  # i16[Lg, B, K, NB, T] original position of each entry, -1 if dead or free (or i32)
     role: jax.Array  # i8[Lg, B, K, NB, T]
     table: jax.Array  # i32[Lg, B, K, NB] block permutation: first `count` live
     count: jax.Array  # i32[Lg, B, K] live blocks
@@ -55,7 +53,7 @@ class BlockPool:
         blocks: int,
         head_dim: int,
         formats: tuple[KVFormat, KVFormat],
-        position_dtype=jnp.int16,
+        position_dtype: jax.typing.DTypeLike = jnp.int16,  # `Storage.position_dtype`
     ) -> BlockPool:
         block = formats[0].group
         zeros = jnp.zeros((layers, batch, kv_heads, blocks, block, head_dim), jnp.float32)

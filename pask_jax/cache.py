@@ -73,7 +73,7 @@ class GroupCache:
 
     k: QuantizedBlock  # codes f[Lg, B, K, C, H] at full precision, else the slot format's codes and scales
     v: QuantizedBlock  # as k
-    pos: jax.Array  # i16[Lg, B, K, C]   original position of the slot's token, -1 if free (i32: `Storage.positions`)
+    pos: jax.Array  # i16[Lg, B, K, C]   original position of the slot's token, -1 if free (or i32: `Storage`)
     role: jax.Array  # i8[Lg, B, K, C]   structural role id of the slot's token
     tool: jax.Array  # i16[Lg, B, K, C]  index of the offered tool the slot's prompt token describes, -1 if none
     score: jax.Array  # f32[Lg, B, K, C] the method's keep-priority of the slot's entry

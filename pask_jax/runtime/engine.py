@@ -93,7 +93,7 @@ class Engine:
     `prefill_chunk`: prompts longer than this many positions are prefilled in equal chunks of at most this many.
     `storage`: how the cache stores K/V (`pask_jax.storage.Storage`: bf16 by default, or int8 / fp8 / int4 per
     token); a method that chooses its own (KIVI's block pool) takes no other. The budget counts bytes
-    (`runtime.budget`).
+    (`runtime.budget`). Positions are stored as i16 (32,768 positions) unless `max_context` asks for more (i32).
     """
 
     def __init__(
