@@ -15,6 +15,7 @@ QUANTIZED_SAMPLE = "results/quantized_eval/bfcl_items110_134_"  # + category (+ 
 # (run_more.sh, beside run.sh's rows)
 QUANTIZED_MORE = ("simple_python", "live_simple", "multiple", "live_multiple")
 QUANTIZED_EVAL = tuple(f"{QUANTIZED_SAMPLE}{c}.json" for c in QUANTIZED_MORE)
+QUANTIZED_EVAL_MORE = tuple(f"{QUANTIZED_SAMPLE}{c}{more}.json" for c in QUANTIZED_MORE for more in ("", "_more"))
 QUANTIZED = ("kivi", "int8", "fp8")  # the uniform quantizers: every entry stays, at low precision
 # the frozen evaluation of PASK with precision actions over items 160-184: per category a file of full KV and PASK v2
 # (`base`) and one of PASK v3 and KIVI (`v3`); the categories whose run is complete, in the order they ran
@@ -67,6 +68,22 @@ def _bytes(items: list[dict]) -> str:
     return f"{mean:.3f} / {max(i['kv_bytes_ratio_max'] for i in items):.3f}"
 
 
+def recall(got: dict[str, bool], full: dict[str, bool]) -> float:
+    """The share of the items full KV answers that `got` answers too."""
+    answered = [i for i, ok in full.items() if ok]
+    return sum(got[i] for i in answered) / len(answered)
+
+
+def most_correct(result: dict, budget: float, among: Callable[[str], bool]) -> tuple[str, int]:
+    """The compressed method (`among`: a method-name test; never full KV) with the most correct items at `budget`,
+    the first run on a tie, and its count."""
+    correct = {
+        m: sum(outcomes(result, m, b).values()) for m, b in _keys(result) if b == budget and m != "full" and among(m)
+    }
+    best = max(correct, key=correct.__getitem__)
+    return best, correct[best]
+
+
 def _vs_full(result: dict, sample: str, leaders: Callable[[str], bool], leader_kind: str) -> str:
     """Every (method, budget) against full KV on the same items: correct, the recall of full KV's correct set, the
     items full KV misses, bytes, the paired difference and McNemar p; the claim names, per budget, the row of
@@ -78,15 +95,15 @@ def _vs_full(result: dict, sample: str, leaders: Callable[[str], bool], leader_k
         if method == "full":
             continue
         got = outcomes(result, method, budget)
-        recall = sum(got[i] for i in answered) / len(answered)
+        share = recall(got, full)
         extra = sum(ok and not full[i] for i, ok in got.items())
         pair = paired(got, full)
         rows.append(
-            [f"{method} @ {budget:g}", f"{pair.right_a} / {pair.items}", f"{100 * recall:.1f}", extra]
+            [f"{method} @ {budget:g}", f"{pair.right_a} / {pair.items}", f"{100 * share:.1f}", extra]
             + [_bytes(items_of(result, method, budget)), pair.difference, pair.p]
         )
-        if leaders(method) and recall > best.get(budget, ("", -1.0))[1]:
-            best[budget] = (method, recall)
+        if leaders(method) and share > best.get(budget, ("", -1.0))[1]:
+            best[budget] = (method, share)
     head = ["method @ b", "correct", "% of full KV's correct", "correct where full KV is not"]
     head += ["bytes / full bf16, mean / max", "- full KV, points [95% CI]", "McNemar p"]
     claim = (
@@ -98,8 +115,12 @@ def _vs_full(result: dict, sample: str, leaders: Callable[[str], bool], leader_k
 
 
 def _categories(files: Sequence[str], prefix: str) -> str:
+    """The categories of per-category results files, in order (a category's several files named once)."""
     return ", ".join(
-        dict.fromkeys(Path(f).stem.removeprefix(prefix).removesuffix("_base").removesuffix("_v3") for f in files)
+        dict.fromkeys(
+            Path(f).stem.removeprefix(prefix).removesuffix("_base").removesuffix("_v3").removesuffix("_more")
+            for f in files
+        )
     )
 
 
@@ -108,33 +129,32 @@ def quantized_vs_full(root: Path, files: Sequence[str] = QUANTIZED_EVAL) -> str:
     return _vs_full(_merged(root, files), sample, QUANTIZED.__contains__, "the best uniform quantizer")
 
 
-def quantized_more_vs_full(root: Path, categories: Sequence[str] = QUANTIZED_MORE) -> str:
-    files = [f"{QUANTIZED_SAMPLE}{c}{more}.json" for c in categories for more in ("", "_more")]
-    sample = f"BFCL items 110-134 of {', '.join(categories)}"
+def quantized_more_vs_full(root: Path, files: Sequence[str] = QUANTIZED_EVAL_MORE) -> str:
+    sample = f"BFCL items 110-134 of {_categories(files, Path(QUANTIZED_SAMPLE).name)}"
     return _vs_full(_merged(root, files), sample, QUANTIZED.__contains__, "the best uniform quantizer")
 
 
 def quantized_vs_eviction(
-    root: Path, files: Sequence[str] = QUANTIZED_EVAL, eviction: str = "bf16 or int4 entries"
+    root: Path, files: Sequence[str] = QUANTIZED_EVAL, evictions: str = "bf16 or int4 entries"
 ) -> str:
-    """Per budget, the quantizer with the most correct items against the eviction method with the most, paired."""
+    """Per budget, the quantizer with the most correct items against the eviction method with the most, paired;
+    `evictions` says in the claim which eviction rows ran."""
     result = _merged(root, files)
     rows = []
     for budget in sorted({b for m, b in _keys(result) if m != "full"}):
-        correct = {m: sum(outcomes(result, m, b).values()) for m, b in _keys(result) if b == budget and m != "full"}
-        quantizer = max((m for m in correct if m in QUANTIZED), key=correct.__getitem__)
-        eviction = max((m for m in correct if m not in QUANTIZED), key=correct.__getitem__)
+        quantizer, _ = most_correct(result, budget, QUANTIZED.__contains__)
+        eviction, _ = most_correct(result, budget, lambda m: m not in QUANTIZED)
         rows.append(
             paired(outcomes(result, quantizer, budget), outcomes(result, eviction, budget)).row(
                 f"{quantizer} - {eviction} @ {budget:g}"
             )
         )
-    claim = f"The best uniform quantizer against the best eviction method ({eviction}) at each budget."
+    claim = f"The best uniform quantizer against the best eviction method ({evictions}) at each budget."
     return f"**Claim.** {claim}\n\n" + _table(("A - B @ b", *PAIRED_HEAD), rows)
 
 
 def kivi_eval_vs_full(root: Path, files: Sequence[str] = KIVI_EVAL) -> str:
-    sample = f"BFCL items 185-209 of {_categories([f.removesuffix('_more.json') for f in files], 'bfcl_items185_209_')}"
+    sample = f"BFCL items 185-209 of {_categories(files, 'bfcl_items185_209_')}"
     return _vs_full(_merged(root, files), sample, QUANTIZED.__contains__, "KIVI at its widest precision")
 
 
@@ -152,8 +172,7 @@ def actions_eval_vs_strongest(root: Path, files: Sequence[str] = ACTIONS_EVAL) -
     result = _merged(root, files)
     rows = []
     for budget in sorted({b for m, b in _keys(result) if m != "full"}):
-        correct = {m: sum(outcomes(result, m, b).values()) for m, b in _keys(result) if b == budget}
-        other = max((m for m in correct if m != "pask:v3"), key=correct.__getitem__)
+        other, _ = most_correct(result, budget, lambda m: m != "pask:v3")
         pair = paired(outcomes(result, "pask:v3", budget), outcomes(result, other, budget))
         rows.append(pair.row(f"pask:v3 - {other} @ {budget:g}"))
     claim = "PASK with precision actions against the strongest other compressed row at each budget, item by item."

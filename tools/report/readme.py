@@ -19,7 +19,7 @@ from tools.report.frozen import (
     _scored_budgets,
     _strongest_baseline,
 )
-from tools.report.quantized import KIVI_EVAL, QUANTIZED, QUANTIZED_EVAL, _merged
+from tools.report.quantized import KIVI_EVAL, QUANTIZED, QUANTIZED_EVAL_MORE, _merged, most_correct, recall
 from tools.report.stats import paired
 
 
@@ -79,7 +79,7 @@ def readme_default(root: Path, samples: Sequence[FrozenSample] = DEFAULT_PASK_SA
 
 
 QUANTIZED_SAMPLES = (  # (the items and their number, the files of every row run on them)
-    ("110-134 (100)", (*QUANTIZED_EVAL, *(f.replace(".json", "_more.json") for f in QUANTIZED_EVAL))),
+    ("110-134 (100)", QUANTIZED_EVAL_MORE),
     ("185-209 (75)", KIVI_EVAL),
 )
 
@@ -91,16 +91,13 @@ def readme_quantized(root: Path) -> str:
     for items, files in QUANTIZED_SAMPLES:
         result = _merged(root, files)
         full = outcomes(result, "full", 1.0)
-        answered = [i for i, ok in full.items() if ok]
         for budget in sorted({b for m, b in _keys(result) if m != "full"}, reverse=True):
-            correct = {m: sum(outcomes(result, m, budget).values()) for m, b in _keys(result) if b == budget}
-            best = max((m for m in correct if m in QUANTIZED), key=correct.__getitem__)
+            best, correct = most_correct(result, budget, QUANTIZED.__contains__)
             got = outcomes(result, best, budget)
             pair = paired(got, full)
             rows.append(
-                [items, f"{budget:g}", len(answered), f"{best} {correct[best]}",
-                 f"{100 * sum(got[i] for i in answered) / len(answered):.1f}", correct["pask"],
-                 f"{pair.difference}, p = {pair.p}"]
+                [items, f"{budget:g}", sum(full.values()), f"{best} {correct}", f"{100 * recall(got, full):.1f}",
+                 sum(outcomes(result, "pask", budget).values()), f"{pair.difference}, p = {pair.p}"]
             )  # fmt: skip
     claim = (
         "The best uniform quantizer on fresh BFCL items (0.5B, b in bytes, metadata counted) beside full KV and the "
